@@ -1,0 +1,119 @@
+"""Pure-PyTorch reference for mHC (manifold-constrained hyper-connections).
+
+This is the ground truth the Triton kernels in `kernels/mhc.py` must match, and what the model
+runs when `model.mhc_kernels = false`.
+
+Everything is **per token** and therefore causal: the coefficients of token t are computed from
+token t's own streams only (never from a sequence mean).
+
+Shapes (any number of leading token dimensions, written `...`):
+  streams  x      [..., n, C]   n residual streams of width C
+  phi             [n*C, N]      N = n*n + 2*n projection columns
+  alpha           [3]           (alpha_pre, alpha_post, alpha_res)
+  bias            [N]
+Column layout of phi / bias: [0, n) pre | [n, 2n) post | [2n, 2n + n*n) res, row-major (i, j).
+
+One sublayer F (attention or MLP) wrapped by mHC:
+  h_pre, h_post, h_res = mhc_coefficients(x, ...)
+  u  = mhc_premix(x, h_pre)                 # the sublayer's input, [..., C]
+  x' = mhc_apply(x, h_res, h_post, F(u))    # new streams, [..., n, C]
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+RMS_EPS = 1e-6
+
+
+def mhc_num_coefficients(n: int) -> int:
+    return n * n + 2 * n
+
+
+def sinkhorn_knopp(logits: torch.Tensor, iters: int) -> torch.Tensor:
+    """exp(logits) made doubly stochastic by `iters` rounds of row then column normalization.
+
+    logits: [..., n, n] (fp32). The per-matrix max is subtracted first: it cancels in the
+    normalization and keeps exp() finite.
+    """
+    m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+    for _ in range(iters):
+        m = m / m.sum(dim=-1, keepdim=True)
+        m = m / m.sum(dim=-2, keepdim=True)
+    return m
+
+
+def mhc_coefficients(
+    x: torch.Tensor,
+    phi: torch.Tensor,
+    alpha: torch.Tensor,
+    bias: torch.Tensor,
+    sinkhorn_iters: int = 20,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token mixing coefficients, computed in fp32.
+
+    Returns h_pre [..., n] = sigmoid, h_post [..., n] = 2*sigmoid, h_res [..., n, n] doubly stochastic.
+    """
+    n = x.shape[-2]
+    flat = x.flatten(-2).float()                                   # [..., n*C]
+    inv_rms = torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + RMS_EPS)
+    raw = (flat @ phi.float()) * inv_rms                           # [..., N]
+    alpha = alpha.float()
+    bias = bias.float()
+    h_pre = torch.sigmoid(alpha[0] * raw[..., :n] + bias[:n])
+    h_post = 2.0 * torch.sigmoid(alpha[1] * raw[..., n:2 * n] + bias[n:2 * n])
+    res_logits = alpha[2] * raw[..., 2 * n:] + bias[2 * n:]
+    h_res = sinkhorn_knopp(res_logits.unflatten(-1, (n, n)), sinkhorn_iters)
+    return h_pre, h_post, h_res
+
+
+def mhc_premix(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
+    """u = sum_i h_pre[i] * x_i, accumulated in fp32, returned in x's dtype. [..., C]"""
+    return (h_pre.unsqueeze(-1) * x.float()).sum(dim=-2).to(x.dtype)
+
+
+def mhc_apply(x: torch.Tensor, h_res: torch.Tensor, h_post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x'_i = sum_j h_res[i, j] * x_j + h_post[i] * y, accumulated in fp32. [..., n, C]"""
+    mixed = torch.matmul(h_res, x.float())
+    return (mixed + h_post.unsqueeze(-1) * y.float().unsqueeze(-2)).to(x.dtype)
+
+
+def mhc_init_bias(n: int, res_diag_logit: float = 4.0) -> torch.Tensor:
+    """Bias that makes an mHC network start as a plain pre-norm residual network.
+
+    With all streams equal to x (they start as copies of the embedding):
+      - h_pre = 1/n on every stream            -> u = x                  (bias = -log(n-1))
+      - h_post = 2*sigmoid(0) = 1              -> every stream gets x + F(u)
+      - any doubly stochastic h_res keeps equal streams equal (rows sum to 1).
+    So the streams stay identical copies of the plain residual stream. h_res starts near the
+    identity (diag logit `res_diag_logit`: diag ~0.95 at n=4) rather than saturated at it, so its
+    gradients are not vanishingly small.
+    """
+    if n < 2:
+        raise ValueError(f"mHC needs n >= 2 streams, got n={n}; n_streams=1 is the plain residual path")
+    pre = torch.full((n,), -math.log(n - 1))
+    post = torch.zeros(n)
+    res = torch.eye(n) * res_diag_logit
+    return torch.cat([pre, post, res.flatten()])
+
+
+# --- The three calls the model makes; kernels/mhc.py provides fused versions with these signatures.
+
+def mhc_pre(x, phi, alpha, bias, sinkhorn_iters: int = 20):
+    """Coefficients + pre-mix for one sublayer: returns (u [..., C], h_post [..., n], h_res [..., n, n])."""
+    h_pre, h_post, h_res = mhc_coefficients(x, phi, alpha, bias, sinkhorn_iters)
+    return mhc_premix(x, h_pre), h_post, h_res
+
+
+def mhc_post(x, h_res, h_post, y):
+    """Apply for the last sublayer: returns the new streams [..., n, C]."""
+    return mhc_apply(x, h_res, h_post, y)
+
+
+def mhc_post_pre(x, h_res, h_post, y, phi, alpha, bias, sinkhorn_iters: int = 20):
+    """Apply of sublayer l followed by coefficients + pre-mix of sublayer l+1 (the fusion point):
+    returns (x' [..., n, C], u_next [..., C], h_post_next [..., n], h_res_next [..., n, n])."""
+    x_new = mhc_apply(x, h_res, h_post, y)
+    u, h_post_next, h_res_next = mhc_pre(x_new, phi, alpha, bias, sinkhorn_iters)
+    return x_new, u, h_post_next, h_res_next
