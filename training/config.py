@@ -1,0 +1,168 @@
+"""Typed run configuration: dataclasses loaded from configs/*.toml plus `section.key=value` overrides.
+
+Every field is used somewhere and exercised by a test; unknown keys are errors (a typo must never
+silently fall back to a default).
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from model.config import ModelConfig
+
+
+@dataclass
+class DataConfig:
+    train_files: str = "runs/demo/data/fineweb_train_*.bin"   # glob of training shards
+    val_files: str = "runs/demo/data/fineweb_val_*.bin"       # glob of validation shards
+    tokenizer: str = "runs/demo/data/tokenizer.model"         # SentencePiece model for byte accounting
+    seq_len: int = 256                 # training sequence length (tokens)
+    shards_per_batch: int = 4          # shards mixed into every batch
+    prefetch: int = 4                  # batches queued ahead by the loader thread
+
+
+@dataclass
+class OptimConfig:
+    matrix_lr: float = 0.025           # Muon, 2-D block matrices
+    embed_lr: float = 0.035            # AdamW, token embedding (tied head)
+    scalar_lr: float = 0.025           # AdamW, gains, biases, mHC phi/alpha/bias, skip weights
+    muon_momentum: float = 0.99
+    muon_momentum_start: float = 0.92  # momentum warms linearly from this ...
+    muon_momentum_warmup_steps: int = 1500  # ... over this many steps
+    ns_steps: int = 5                  # Newton-Schulz iterations
+    weight_decay: float = 0.04         # decoupled, Muon and AdamW matrices/embeddings
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    grad_clip: float = 0.3             # global grad-norm clip; 0 disables
+    warmup_steps: int = 20             # linear LR warmup
+    warmdown_frac: float = 0.5         # final fraction of the budget with linear warmdown
+    lr_floor: float = 0.05             # LR multiplier never drops below this
+    ema_decay: float = 0.997           # EMA of weights (what gets exported); 0 disables
+    ema_warmup_steps: int = 10         # decay at step t = min(ema_decay, (1 + t) / (ema_warmup_steps + t))
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 0               # periodic validation during training (0: only at the end)
+    max_tokens: int = 0                # cap on validation tokens (0: all)
+    context: int = 2048                # sliding-window context
+    stride: int = 64                   # sliding-window stride; 0 = non-overlapping windows of `context`
+    batch_seqs: int = 16               # windows per forward pass
+
+
+@dataclass
+class TrainConfig:
+    run_id: str = ""                   # default: <config name>-<timestamp>-s<seed>
+    seed: int = 1337
+    device: str = "auto"               # auto | cpu | cuda
+    batch_tokens: int = 8192           # global tokens per optimizer step
+    micro_batch_seqs: int = 8          # sequences per rank per forward/backward
+    max_steps: int = 200               # stop after this many steps ...
+    time_budget_s: float = 0.0         # ... or when training wall clock reaches this (0: no limit)
+    schedule: str = "steps"            # steps | time : what drives warmdown progress
+    compile: bool = False              # torch.compile the model (GPU)
+    log_every: int = 10
+    log_dir: str = "logs"
+    out_dir: str = "runs"
+    wandb: bool = False
+    wandb_project: str = "mhcgolf"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _coerce(value: Any, typ: type, where: str) -> Any:
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        try:
+            return int(str(value).replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if typ is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if typ is str:
+        return str(value)
+    if getattr(typ, "__origin__", None) is tuple:
+        if isinstance(value, str):
+            value = ast.literal_eval(value)
+        return tuple(int(v) for v in value)
+    raise ConfigError(f"{where}: unsupported field type {typ}")
+
+
+def _apply(section_obj: Any, section: str, values: dict[str, Any], source: str) -> None:
+    hints = get_type_hints(type(section_obj))
+    for key, value in values.items():
+        if key not in hints:
+            known = ", ".join(sorted(hints))
+            raise ConfigError(f"{source}: unknown key '{section}.{key}'. Known keys in [{section}]: {known}")
+        setattr(section_obj, key, _coerce(value, hints[key], f"{source}: {section}.{key}"))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults <- TOML file <- `section.key=value` overrides, in that order."""
+    cfg = Config()
+    sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    if path is not None:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found (hint: see configs/ for the shipped ones)") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        for section, values in data.items():
+            if section not in sections or not isinstance(values, dict):
+                raise ConfigError(f"{path}: unknown section [{section}]; expected one of {sorted(sections)}")
+            _apply(sections[section], section, values, str(path))
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        section, dot, name = key.partition(".")
+        if not sep or not dot or section not in sections:
+            raise ConfigError(f"override {item!r}: expected section.key=value with section in {sorted(sections)}")
+        _apply(sections[section], section, {name: value}, "command line")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    m, t = cfg.model, cfg.train
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads}")
+    if m.n_streams < 1:
+        raise ConfigError(f"model.n_streams={m.n_streams} must be >= 1 (1 = plain residual network)")
+    if t.schedule not in ("steps", "time"):
+        raise ConfigError(f"train.schedule={t.schedule!r}: expected 'steps' or 'time'")
+    if t.schedule == "time" and t.time_budget_s <= 0:
+        raise ConfigError("train.schedule='time' needs train.time_budget_s > 0")
+    if t.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"train.device={t.device!r}: expected auto, cpu or cuda")
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
