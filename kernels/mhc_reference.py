@@ -79,16 +79,18 @@ def mhc_apply(x: torch.Tensor, h_res: torch.Tensor, h_post: torch.Tensor, y: tor
     return (mixed + h_post.unsqueeze(-1) * y.float().unsqueeze(-2)).to(x.dtype)
 
 
-def mhc_init_bias(n: int, res_diag_logit: float = 4.0) -> torch.Tensor:
+def mhc_init_bias(n: int, res_diag_logit: float = 2.0) -> torch.Tensor:
     """Bias that makes an mHC network start as a plain pre-norm residual network.
 
     With all streams equal to x (they start as copies of the embedding):
       - h_pre = 1/n on every stream            -> u = x                  (bias = -log(n-1))
       - h_post = 2*sigmoid(0) = 1              -> every stream gets x + F(u)
       - any doubly stochastic h_res keeps equal streams equal (rows sum to 1).
-    So the streams stay identical copies of the plain residual stream. h_res starts near the
-    identity (diag logit `res_diag_logit`: diag ~0.95 at n=4) rather than saturated at it, so its
-    gradients are not vanishingly small.
+    So the streams stay identical copies of the plain residual stream whatever h_res is.
+    h_res starts diagonal-dominant (diag logit 2: diag 0.71 at n=4). A logit of 4 (diag 0.95) would be
+    closer to I, but Sinkhorn converges slowly near the identity: with 20 rounds its row sums were
+    off by 1e-4 already at init and 1e-2 under perturbation, against < 3e-5 for logit 2 (measured
+    in tests/test_model.py::test_h_res_is_doubly_stochastic).
     """
     if n < 2:
         raise ValueError(f"mHC needs n >= 2 streams, got n={n}; n_streams=1 is the plain residual path")

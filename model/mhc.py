@@ -1,0 +1,35 @@
+"""mHC parameters of one sublayer, and the switch between the PyTorch reference and Triton kernels."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+
+from kernels import mhc_reference
+from kernels.mhc_reference import mhc_init_bias, mhc_num_coefficients
+
+
+class MHCParams(nn.Module):
+    """phi [n*C, n^2+2n], alpha [3], bias [n^2+2n] for one sublayer (see kernels/mhc_reference.py).
+
+    phi ~ N(0, 1/(n*C)) makes x̃·phi / rms(x̃) unit-scale, so alpha sets the size of the per-token
+    modulation around the bias; the bias alone gives the plain-residual start (mhc_init_bias).
+    """
+
+    def __init__(self, n_streams: int, dim: int, alpha_init: float):
+        super().__init__()
+        k = n_streams * dim
+        self.phi = nn.Parameter(torch.randn(k, mhc_num_coefficients(n_streams)) / math.sqrt(k))
+        self.alpha = nn.Parameter(torch.full((3,), float(alpha_init)))
+        self.bias = nn.Parameter(mhc_init_bias(n_streams))
+
+
+def mhc_ops(use_kernels: bool) -> SimpleNamespace:
+    """The three calls the model makes: pre, post, post_pre (same signatures in both modules)."""
+    if use_kernels:
+        from kernels import mhc as impl  # imported lazily: triton is optional on CPU
+    else:
+        impl = mhc_reference
+    return SimpleNamespace(pre=impl.mhc_pre, post=impl.mhc_post, post_pre=impl.mhc_post_pre)

@@ -1,0 +1,144 @@
+"""Model properties: causality, doubly stochastic H_res, plain-residual start, n_streams=1 path."""
+import pytest
+import torch
+import torch.nn as nn
+
+from kernels.mhc_reference import mhc_coefficients, mhc_init_bias, sinkhorn_knopp
+from model.config import ModelConfig
+from model.gpt import GPT
+from model.layers import Attention
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(vocab_size=64, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, n_streams=4)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def randomize_(model: GPT, scale: float = 0.3) -> GPT:
+    """Give every parameter a non-trivial value (the zero-init output projections hide bugs)."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") and "mhc" in name:
+                continue  # keep the structural mHC bias, perturbed below via alpha/phi
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+@pytest.mark.parametrize("n_streams", [1, 4])
+def test_causal_including_across_document_boundary(n_streams):
+    torch.manual_seed(0)
+    model = randomize_(GPT(tiny(n_streams=n_streams))).eval()
+    idx = torch.randint(4, 64, (1, 24))
+    idx[0, 10] = 1  # BOS: a document boundary inside the sequence
+    base = model(idx)
+    for t in (5, 10, 15):
+        changed = idx.clone()
+        changed[0, t + 1:] = torch.randint(4, 64, (24 - t - 1,))
+        out = model(changed)
+        assert torch.equal(out[0, : t + 1], base[0, : t + 1]), f"logits at <= {t} changed"
+        assert not torch.allclose(out[0, t + 1:], base[0, t + 1:]), "later positions should change"
+
+
+def test_h_res_is_doubly_stochastic():
+    torch.manual_seed(0)
+    n, C = 4, 16
+    x = torch.randn(3, 7, n, C) * 5
+    # Trained-model magnitudes: phi ~ N(0, 1/(nC)) makes raw logits unit-scale; alpha and the bias
+    # then spread them by about a unit (20 rounds converge for spreads of that order).
+    phi = torch.randn(n * C, n * n + 2 * n) / (n * C) ** 0.5
+    alpha = torch.tensor([0.5, 0.5, 0.3])
+    bias = mhc_init_bias(n) + 0.5 * torch.randn(n * n + 2 * n)
+    h_pre, h_post, h_res = mhc_coefficients(x, phi, alpha, bias, sinkhorn_iters=20)
+    assert (h_res >= 0).all()
+    assert torch.allclose(h_res.sum(-1), torch.ones(3, 7, n), atol=1e-5)
+    assert torch.allclose(h_res.sum(-2), torch.ones(3, 7, n), atol=1e-5)
+    assert ((h_pre > 0) & (h_pre < 1)).all() and ((h_post > 0) & (h_post < 2)).all()
+
+
+def test_sinkhorn_of_large_logits_stays_finite():
+    m = sinkhorn_knopp(torch.tensor([[[200.0, 0.0], [0.0, 200.0]]]), 20)
+    assert torch.isfinite(m).all() and torch.allclose(m, torch.eye(2).unsqueeze(0), atol=1e-6)
+
+
+def test_init_bias_starts_as_plain_residual_coefficients():
+    n = 4
+    x = torch.randn(5, 1, 8).expand(5, n, 8)
+    h_pre, h_post, h_res = mhc_coefficients(x, torch.zeros(n * 8, 24), torch.zeros(3), mhc_init_bias(n))
+    assert torch.allclose(h_pre.sum(-1), torch.ones(5))        # u = x
+    assert torch.allclose(h_post, torch.ones(5, n))            # every stream gets + F(u)
+    assert (torch.diagonal(h_res, dim1=-2, dim2=-1) > 0.7).all()  # diagonal-dominant
+
+
+def copy_plain_weights(src: GPT, dst: GPT) -> None:
+    """Copy every parameter the plain network has into the mHC network."""
+    dst_params = dict(dst.named_parameters())
+    with torch.no_grad():
+        for name, p in src.named_parameters():
+            dst_params[name].copy_(p)
+
+
+@pytest.mark.parametrize("alpha,tol", [(0.0, 1e-5), (0.01, 5e-2)])
+def test_mhc_network_starts_as_plain_prenorm_residual_network(alpha, tol):
+    torch.manual_seed(0)
+    plain = randomize_(GPT(tiny(n_streams=1))).eval()
+    mhc = GPT(tiny(n_streams=4, mhc_alpha_init=alpha)).eval()
+    copy_plain_weights(plain, mhc)
+    idx = torch.randint(0, 64, (2, 16))
+    ref, out = plain(idx), mhc(idx)
+    err = (out - ref).abs().max().item()
+    assert err < tol * ref.abs().max().item(), f"max |Δlogits| = {err}"
+    if alpha > 0:
+        assert err > 0, "alpha > 0 must give per-token modulation"
+
+
+def test_single_stream_is_exactly_plain_residual_and_has_no_mhc_parameters():
+    torch.manual_seed(0)
+    model = randomize_(GPT(tiny(n_streams=1))).eval()
+    assert not any("mhc" in n or "readout" in n for n, _ in model.named_parameters())
+    idx = torch.randint(0, 64, (2, 16))
+    x = model.embed(idx)
+    for sub in model.sublayers:
+        x = x + sub.body(sub.norm(x))
+    h = model.final_norm(x)
+    logits = 30 * torch.tanh((h @ model.embed.weight.T) / 30)
+    assert torch.allclose(model(idx), logits, atol=1e-6)
+
+
+def test_param_groups_cover_every_parameter_once():
+    model = GPT(tiny())
+    groups = model.param_groups()
+    seen = [id(p) for ps in groups.values() for p in ps]
+    assert len(seen) == len(set(seen)) == len(list(model.parameters()))
+    assert all(p.ndim == 2 for p in groups["matrix"])
+    assert len(groups["matrix"]) == 4 * model.cfg.n_layers
+
+
+def test_gqa_attention_matches_repeated_kv_heads():
+    cfg = tiny(n_heads=4, n_kv_heads=2)
+    torch.manual_seed(0)
+    attn = Attention(cfg)
+    nn.init.normal_(attn.proj.weight, std=0.1)
+    u = torch.randn(2, 9, cfg.d_model)
+    out = attn(u)
+    # Same attention with each KV head duplicated into a 4-KV-head layer.
+    full = Attention(tiny(n_heads=4, n_kv_heads=4))
+    hd, C = cfg.head_dim, cfg.d_model
+    with torch.no_grad():
+        wq, wk, wv = attn.qkv.weight.split([C, 2 * hd, 2 * hd])
+        rep = lambda w: w.view(2, hd, C).repeat_interleave(2, dim=0).reshape(4 * hd, C)
+        full.qkv.weight.copy_(torch.cat([wq, rep(wk), rep(wv)]))
+        full.proj.weight.copy_(attn.proj.weight)
+        full.q_gain.copy_(attn.q_gain)
+    assert torch.allclose(full(u), out, atol=1e-5)
+
+
+def test_softcap_bounds_logits_and_zero_disables():
+    torch.manual_seed(0)
+    model = randomize_(GPT(tiny(n_streams=1, logit_softcap=2.0)), scale=3.0)
+    idx = torch.randint(0, 64, (1, 8))
+    assert model(idx).abs().max() <= 2.0
+    uncapped = GPT(tiny(n_streams=1, logit_softcap=0.0))
+    uncapped.load_state_dict(model.state_dict())
+    assert uncapped(idx).abs().max() > 2.0
