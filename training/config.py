@@ -52,6 +52,17 @@ class EvalConfig:
     context: int = 2048                # sliding-window context
     stride: int = 64                   # sliding-window stride; 0 = non-overlapping windows of `context`
     batch_seqs: int = 16               # windows per forward pass
+    pre_quant: bool = True             # also score the unquantized (EMA) model, to report the quantization gap
+
+
+@dataclass
+class QuantConfig:
+    method: str = "gptq"               # gptq | rtn (round-to-nearest baseline)
+    calib_source: str = "train"        # train (training tokens) | generated (text the model samples itself)
+    calib_seqs: int = 64               # calibration sequences of data.seq_len tokens
+    calib_reserve_s: float = 0.0       # seconds of train.time_budget_s kept for calibration
+    cap_bytes: int = 16_000_000        # artifact + code must fit (decimal bytes)
+    margin_bytes: int = 20_000         # safety margin under the cap for the int5/int6 allocation
 
 
 @dataclass
@@ -78,6 +89,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
@@ -160,6 +172,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.schedule={t.schedule!r}: expected 'steps' or 'time'")
     if t.schedule == "time" and t.time_budget_s <= 0:
         raise ConfigError("train.schedule='time' needs train.time_budget_s > 0")
+    if cfg.quant.method not in ("gptq", "rtn"):
+        raise ConfigError(f"quant.method={cfg.quant.method!r}: expected 'gptq' or 'rtn'")
+    if cfg.quant.calib_source not in ("train", "generated"):
+        raise ConfigError(f"quant.calib_source={cfg.quant.calib_source!r}: expected 'train' or 'generated'")
+    if t.time_budget_s and cfg.quant.calib_reserve_s >= t.time_budget_s:
+        raise ConfigError(f"quant.calib_reserve_s={cfg.quant.calib_reserve_s} must be < train.time_budget_s")
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"train.device={t.device!r}: expected auto, cpu or cuda")
 
