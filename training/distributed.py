@@ -1,0 +1,159 @@
+"""Process-group setup (torchrun env), small helpers, and the optimizer-step sequence.
+
+No DDP: every rank accumulates its own gradients over its micro-batches, then `optimizer_step`
+averages them — the small (AdamW) parameters with one bucketed all-reduce, the matrices inside
+Muon with a reduce-scatter — clips with the averaged gradients, and steps.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from training.optim import Muon, clip_grad_norm_
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r}: expected an integer (set by torchrun)") from None
+
+
+def init_distributed(device: str = "auto") -> DistInfo:
+    """Join the process group described by torchrun's RANK / LOCAL_RANK / WORLD_SIZE (+ MASTER_ADDR/PORT),
+    or run as a single process when none is set. device: auto | cpu | cuda (train.device).
+    NCCL on CUDA, gloo on CPU."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"train.device={device!r}: expected auto, cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device='cuda' but no CUDA device is visible (hint: train.device=cpu)")
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    present = [k for k in keys if k in os.environ]
+    if not present:
+        return DistInfo(0, 0, 1, torch.device("cuda" if use_cuda else "cpu"))
+    if len(present) != len(keys):
+        raise RuntimeError(f"distributed env is incomplete: have {present}, need all of {list(keys)} "
+                           "(hint: launch with torchrun, or unset them for a single process)")
+    rank, local_rank, world = (_env_int(k) for k in keys)
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+    return DistInfo(rank, local_rank, world, dev)
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_initialized() else 1
+
+
+def is_main() -> bool:
+    return not is_initialized() or dist.get_rank() == 0
+
+
+def print0(*args, **kwargs) -> None:
+    if is_main():
+        print(*args, **kwargs)
+
+
+def barrier() -> None:
+    if is_initialized():
+        dist.barrier()
+
+
+def destroy() -> None:
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_mean(tensor: Tensor) -> Tensor:
+    """Average `tensor` across ranks in place (synchronous w.r.t. the stream); returns it."""
+    if world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
+    return tensor
+
+
+class GradSync:
+    """Handle of an in-flight gradient all-reduce; wait() writes the averages back into the .grad tensors."""
+
+    def __init__(self, buckets: list[tuple[list[Tensor], Tensor, object]]):
+        self._buckets = buckets
+
+    def wait(self) -> None:
+        for grads, flat, work in self._buckets:
+            work.wait()
+            torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        self._buckets = []
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter]) -> GradSync:
+    """Start averaging the gradients of the (non-Muon) params across ranks: one flat bucket per
+    (device, dtype), async. Call .wait() on the result before reading the gradients."""
+    grads = []
+    for i, p in enumerate(params):
+        if p.grad is None:
+            raise RuntimeError(f"all_reduce_grads: parameter #{i} of shape {tuple(p.shape)} has no gradient "
+                               "(every trained parameter must be used in the forward pass)")
+        grads.append(p.grad)
+    if world_size() == 1:
+        return GradSync([])
+    by_kind: dict[tuple, list[Tensor]] = {}
+    for g in grads:
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    buckets = []
+    for group in by_kind.values():
+        flat = torch.cat([g.reshape(-1) for g in group])
+        buckets.append((group, flat, dist.all_reduce(flat, op=dist.ReduceOp.AVG, async_op=True)))
+    return GradSync(buckets)
+
+
+def optimizer_step(optimizers: list[torch.optim.Optimizer], grad_clip: float) -> Tensor | None:
+    """One optimizer step after the micro-batch backward passes; returns the pre-clip grad norm
+    (None when grad_clip = 0). The sequence:
+
+      1. all_reduce_grads(AdamW params)  -- async, one bucket
+      2. Muon.sync_grads_async()         -- async reduce-scatter of the matrices' grads (both in flight)
+      3. wait for 1; clip_grad_norm_      -- waits for 2; global norm from the averaged grads
+      4. Muon.launch_step()               -- orthogonalize own share, start the all-gather
+      5. AdamW.step()                     -- overlaps with the all-gather
+      6. Muon.finish_step()               -- every rank now holds identical parameters
+      7. zero_grad(set_to_none=True) on all optimizers
+
+    The trainer calls set_lr_and_momentum(...) before this, and EMA.update(...) after it.
+    """
+    muons = [o for o in optimizers if isinstance(o, Muon)]
+    others = [o for o in optimizers if not isinstance(o, Muon)]
+    small = [p for o in others for g in o.param_groups for p in g["params"]]
+    sync = all_reduce_grads(small)
+    for m in muons:
+        m.sync_grads_async()
+    sync.wait()
+    norm = clip_grad_norm_(optimizers, grad_clip)
+    for m in muons:
+        m.launch_step()
+    for o in others:
+        o.step()
+    for m in muons:
+        m.finish_step()
+    for o in optimizers:
+        o.zero_grad(set_to_none=True)
+    return norm
