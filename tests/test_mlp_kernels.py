@@ -1,0 +1,270 @@
+"""Fused LeakyReLU(0.5)^2 MLP kernels (`kernels/mlp.py`) against `kernels/mlp_reference.py`.
+
+CPU: the real Triton kernels run in the interpreter (fp32/fp16; it has no bf16). `@triton.jit` picks
+interpreted or compiled kernels when it decorates, so the `interpreter` fixture sets TRITON_INTERPRET=1
+and reloads `kernels.mlp_triton`, and restores the compiled kernels afterwards.
+GPU (marked gpu): bf16 kernels, both schedules, torch.compile(fullgraph=True) and a training step.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import mlp, mlp_triton
+from kernels.mlp_reference import leaky_relu_sq, leaky_relu_sq_grad, mlp_reference
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture
+def interpreter():
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        importlib.reload(mlp_triton)
+        assert mlp_triton.kernels_interpreted(), "TRITON_INTERPRET=1 did not give interpreted kernels"
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+        importlib.reload(mlp_triton)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "NaN in output"
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def make_inputs(lead: tuple[int, ...], d: int, h: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(*lead, d, generator=g, device=device).to(dtype)
+    w_up = (torch.randn(h, d, generator=g, device=device) / d**0.5).to(dtype)
+    w_down = (torch.randn(d, h, generator=g, device=device) / h**0.5).to(dtype)
+    return x, w_up, w_down
+
+
+def forward_backward(fn, x, w_up, w_down, dy):
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w_up, w_down)]
+    y = fn(*leaves)
+    y.backward(dy)
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+def reference_fp64(x, w_up, w_down, dy):
+    return forward_backward(mlp_reference, x.double(), w_up.double(), w_down.double(), dy.double())
+
+
+def assert_matches_reference(x, w_up, w_down, tol: float, seed: int = 1):
+    y_shape = (*x.shape[:-1], w_down.shape[0])
+    dy = torch.randn(y_shape, generator=torch.Generator(device=x.device).manual_seed(seed), device=x.device)
+    dy = dy.to(x.dtype)
+    got = forward_backward(mlp.fused_mlp, x, w_up, w_down, dy)
+    want = reference_fp64(x, w_up, w_down, dy)
+    for name, a, b in zip(("y", "dx", "dw_up", "dw_down"), got, want):
+        assert a.shape == b.shape and a.dtype == x.dtype, name
+        assert rel_err(a, b) < tol, f"{name}: rel err {rel_err(a, b):.2e} >= {tol}"
+
+
+# Token counts, H and D chosen off the interpreter's 16x32x16 tiles: partial row/column tiles, a K tail.
+@pytest.mark.parametrize("lead,d,h", [((37,), 40, 72), ((2, 19), 48, 96), ((5,), 16, 32)])
+def test_interpreter_matches_reference_fp32(interpreter, lead, d, h):
+    x, w_up, w_down = make_inputs(lead, d, h, torch.float32)
+    assert mlp.kernels_used_for(x)
+    assert_matches_reference(x, w_up, w_down, tol=1e-5)
+
+
+def test_interpreter_matches_reference_fp16(interpreter):
+    x, w_up, w_down = make_inputs((33,), 32, 80, torch.float16)
+    assert mlp.kernels_used_for(x)
+    assert_matches_reference(x, w_up, w_down, tol=5e-3)
+
+
+def torch_epilogue_reference(a, b, aux, epilogue):
+    acc = a.double() @ b.double()
+    if epilogue == mlp_triton.EPILOGUE_ACTIVATION:
+        return leaky_relu_sq(acc), leaky_relu_sq_grad(acc)
+    return acc * aux.double(), aux.double()
+
+
+@pytest.mark.parametrize("programs", [None, 3], ids=["tiled", "persistent"])
+@pytest.mark.parametrize("epilogue", [mlp_triton.EPILOGUE_ACTIVATION, mlp_triton.EPILOGUE_GRAD],
+                         ids=["activation", "grad"])
+def test_interpreter_both_schedules_write_every_element(interpreter, programs, epilogue):
+    m, k, n = 45, 24, 70
+    a = torch.randn(m, k)
+    b = torch.randn(n, k).t()  # transposed view, as W_upᵀ is passed in the forward
+    out = torch.full((m, n), float("nan"))
+    aux = torch.randn(m, n) if epilogue == mlp_triton.EPILOGUE_GRAD else torch.full((m, n), float("nan"))
+    mlp.launch_gemm(a, b, out, aux, epilogue, programs)
+    want_out, want_aux = torch_epilogue_reference(a, b, aux, epilogue)
+    assert rel_err(out, want_out) < 1e-5
+    assert rel_err(aux, want_aux) < 1e-5
+
+
+def test_interpreter_broadcast_grad_and_partial_requires_grad(interpreter):
+    """y.sum() gives a stride-0 dy; frozen weights must get no gradient and cost no work."""
+    x, w_up, w_down = make_inputs((29,), 32, 48, torch.float32)
+    x_leaf = x.clone().requires_grad_()
+    mlp.fused_mlp(x_leaf, w_up, w_down).sum().backward()
+    x_ref = x.double().requires_grad_()
+    mlp_reference(x_ref, w_up.double(), w_down.double()).sum().backward()
+    assert rel_err(x_leaf.grad, x_ref.grad) < 1e-5
+    assert w_up.grad is None and w_down.grad is None
+
+
+def test_cpu_without_interpreter_uses_pytorch_ops():
+    x, w_up, w_down = make_inputs((3, 7), 16, 40, torch.float32)
+    assert not mlp_triton.kernels_interpreted() and not mlp.kernels_used_for(x)
+    assert_matches_reference(x, w_up, w_down, tol=1e-5)
+
+
+def test_bfloat16_on_interpreter_falls_back_to_pytorch(interpreter):
+    x, w_up, w_down = make_inputs((9,), 16, 32, torch.bfloat16)
+    assert not mlp.kernels_used_for(x)
+    assert_matches_reference(x, w_up, w_down, tol=1e-2)
+
+
+@pytest.mark.parametrize("shapes,match", [
+    (((4, 16), (32, 8), (16, 32)), "shape mismatch"),
+    (((4, 16), (32, 16), (16, 30)), "shape mismatch"),
+    (((4, 16), (32, 16, 1), (16, 32)), "expected x"),
+])
+def test_bad_shapes_raise_clear_errors(shapes, match):
+    x, w_up, w_down = (torch.randn(s) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        mlp.fused_mlp(x, w_up, w_down)
+
+
+def test_mixed_dtypes_raise_clear_error():
+    x, w_up, w_down = make_inputs((4,), 16, 32, torch.float32)
+    with pytest.raises(ValueError, match="share dtype"):
+        mlp.fused_mlp(x, w_up.half(), w_down)
+
+
+def block_with_mlp(mlp_fn, x, w_up, w_down):
+    """Work around the MLP so the compiler has something to fuse across it."""
+    return (x + mlp_fn(F.rms_norm(x, (x.shape[-1],)), w_up, w_down) * 0.5).square().mean()
+
+
+def test_compile_fullgraph_cpu_fallback():
+    torch._dynamo.reset()
+    x, w_up, w_down = make_inputs((2, 11), 32, 64, torch.float32)
+    compiled = torch.compile(lambda *a: block_with_mlp(mlp.fused_mlp, *a), fullgraph=True, backend="aot_eager")
+    got = forward_backward(compiled, x, w_up, w_down, torch.tensor(1.0))
+    want = forward_backward(lambda *a: block_with_mlp(mlp_reference, *a), x, w_up, w_down, torch.tensor(1.0))
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1e-5
+
+
+# ---------------------------------------------------------------- GPU (bf16, real kernels)
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("lead,d,h", [((4, 1037), 512, 1792), ((3001,), 384, 1000)])
+def test_gpu_bf16_matches_reference(lead, d, h):
+    x, w_up, w_down = make_inputs(lead, d, h, torch.bfloat16, device="cuda")
+    assert mlp.kernels_used_for(x)
+    assert_matches_reference(x, w_up, w_down, tol=1e-2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("persistent", [False, True], ids=["tiled", "persistent"])
+def test_gpu_both_schedules_write_every_element(persistent):
+    m, k, n = 2051, 512, 1000
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() / k**0.5
+    for epilogue in (mlp_triton.EPILOGUE_ACTIVATION, mlp_triton.EPILOGUE_GRAD):
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        aux = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+               if epilogue == mlp_triton.EPILOGUE_GRAD else torch.full_like(out, float("nan")))
+        programs = torch.cuda.get_device_properties(0).multi_processor_count if persistent else None
+        mlp.launch_gemm(a, b, out, aux, epilogue, programs)
+        want_out, want_aux = torch_epilogue_reference(a, b, aux, epilogue)
+        assert rel_err(out, want_out) < 1e-2 and rel_err(aux, want_aux) < 1e-2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_compile_fullgraph_uses_kernels():
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    x, w_up, w_down = make_inputs((2, 1000), 512, 1792, torch.bfloat16, device="cuda")
+    compiled = torch.compile(lambda *a: block_with_mlp(mlp.fused_mlp, *a), fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (x, w_up, w_down)]
+    loss, codes = run_and_get_code(compiled, *leaves)
+    assert any("mlp_gemm" in code for code in codes), "compiled graph does not launch the Triton GEMM"
+    loss.backward()
+    want = forward_backward(lambda *a: block_with_mlp(mlp.fused_mlp, *a), x, w_up, w_down,
+                            torch.tensor(1.0, device="cuda"))
+    for a, b in zip([loss.detach()] + [t.grad for t in leaves], want):
+        assert rel_err(a, b) < 1e-2
+
+
+def train_losses(mlp_fn, steps: int = 5, lr: float = 0.05) -> list[float]:
+    """Losses of a 2-layer residual MLP stack (bf16 weights) trained with plain SGD on fixed data."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    d, h, tokens = 256, 768, 4096
+    weights = []
+    for _ in range(2):
+        weights += [torch.randn(h, d, generator=g, device="cuda") / d**0.5,
+                    torch.randn(d, h, generator=g, device="cuda") / h**0.5]
+    weights = [w.to(torch.bfloat16).requires_grad_() for w in weights]
+    x = torch.randn(tokens, d, generator=g, device="cuda").to(torch.bfloat16)
+    target = torch.randn(tokens, d, generator=g, device="cuda").to(torch.bfloat16)
+    losses = []
+    for _ in range(steps):
+        h_ = x
+        for w_up, w_down in zip(weights[0::2], weights[1::2]):
+            h_ = h_ + mlp_fn(F.rms_norm(h_, (d,)), w_up, w_down)
+        loss = (h_.float() - target.float()).square().mean()
+        loss.backward()
+        with torch.no_grad():
+            for w in weights:
+                w -= lr * w.grad
+                w.grad = None
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_training_steps_match_reference():
+    got, want = train_losses(mlp.fused_mlp), train_losses(mlp_reference)
+    assert want[-1] < want[0], f"reference did not train: {want}"
+    for a, b in zip(got, want):
+        assert abs(a - b) <= 1e-2 * abs(b), f"kernel losses {got} vs reference {want}"
+
+
+# ---------------------------------------------------------------- benchmark script
+
+@pytest.mark.parametrize("flag", ["--tokens", "--d-model", "--hidden", "--rep-ms"])
+def test_bench_rejects_nonpositive_sizes(flag, capsys):
+    from scripts import bench_mlp
+    with pytest.raises(SystemExit):
+        bench_mlp.parse_args([flag, "0"])
+    assert f"{flag} must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_bench_without_gpu_exits_with_message():
+    from scripts import bench_mlp
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench_mlp.main(["--tokens", "64"])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bench_runs_small_shape(capsys):
+    from scripts import bench_mlp
+    times = bench_mlp.main(["--tokens", "2048", "--d-model", "256", "--hidden", "512", "--rep-ms", "20"])
+    assert set(times) == {"fused kernel (eager)", "fused kernel (torch.compile)",
+                          "reference (torch.compile)", "reference (eager)"}
+    assert all(ms > 0 for passes in times.values() for ms in passes.values())
+    assert "speed vs compile" in capsys.readouterr().out
