@@ -1,0 +1,229 @@
+"""Triton mHC kernels (kernels/mhc.py) against the PyTorch reference (kernels/mhc_reference.py).
+
+On a machine without CUDA the kernels run on CPU through the Triton interpreter (fp32): the
+variable must be set before triton or the kernel modules are imported. On a GPU machine the
+`gpu` tests run the compiled kernels in bf16.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from kernels import mhc as K  # noqa: E402
+from kernels import mhc_reference as R  # noqa: E402
+
+interpreted = pytest.mark.skipif(not (K.HAVE_TRITON and K.INTERPRET),
+                                 reason="needs the Triton interpreter (TRITON_INTERPRET=1, no CUDA)")
+
+# (n, C, leading token dims): token counts not divisible by the blocks, C not a power of two.
+SHAPES = [(4, 48, (37,)), (2, 96, (2, 11)), (8, 48, (17,))]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(n, C, lead, device="cpu", dtype=torch.float32, seed=0):
+    """Random streams and parameters large enough that every coefficient path matters."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    N = R.mhc_num_coefficients(n)
+
+    def rnd(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    inputs = dict(
+        x=rnd(*lead, n, C), h_res=torch.softmax(rnd(*lead, n, n), -1), h_post=2 * torch.rand(*lead, n, generator=g),
+        y=rnd(*lead, C), phi=rnd(n * C, N, scale=(n * C) ** -0.5), alpha=0.5 + torch.rand(3, generator=g),
+        bias=R.mhc_init_bias(n) + rnd(N, scale=0.3))
+    cast = {"x": dtype, "y": dtype}
+    return {k: v.to(device=device, dtype=cast.get(k, torch.float32)) for k, v in inputs.items()}
+
+
+def call(ops, name, inp, iters=20):
+    if name == "pre":
+        return ops.mhc_pre(inp["x"], inp["phi"], inp["alpha"], inp["bias"], iters)
+    if name == "post":
+        return (ops.mhc_post(inp["x"], inp["h_res"], inp["h_post"], inp["y"]),)
+    return ops.mhc_post_pre(inp["x"], inp["h_res"], inp["h_post"], inp["y"], inp["phi"], inp["alpha"],
+                            inp["bias"], iters)
+
+
+def outputs_and_grads(ops, name, inp, grads_seed=1, iters=20):
+    """Outputs of one call and the gradients of every input under random output gradients."""
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in inp.items()}
+    outs = call(ops, name, leaves, iters)
+    g = torch.Generator(device="cpu").manual_seed(grads_seed)
+    cotangents = [torch.randn(o.shape, generator=g).to(o) for o in outs]
+    torch.autograd.backward(outs, cotangents)
+    used = {k: v.grad for k, v in leaves.items() if v.grad is not None}
+    return [o.detach() for o in outs], used
+
+
+def assert_close_to_reference(name, inp, out_tol, grad_tol, iters=20, ref_inp=None):
+    outs, grads = outputs_and_grads(K, name, inp, iters=iters)
+    ref_outs, ref_grads = outputs_and_grads(R, name, inp if ref_inp is None else ref_inp, iters=iters)
+    assert len(outs) == len(ref_outs) and grads.keys() == ref_grads.keys()
+    for i, (o, r) in enumerate(zip(outs, ref_outs)):
+        assert o.shape == r.shape and o.dtype == r.dtype or ref_inp is not None
+        assert rel(o, r) < out_tol, f"{name} output {i}: rel err {rel(o, r):.2e}"
+    for k in grads:
+        assert grads[k].dtype == inp[k].dtype
+        assert rel(grads[k], ref_grads[k]) < grad_tol, f"{name} grad {k}: rel err {rel(grads[k], ref_grads[k]):.2e}"
+
+
+# ---------------------------------------------------------------- CPU, Triton interpreter, fp32
+
+@interpreted
+@pytest.mark.parametrize("name", ["pre", "post", "post_pre"])
+@pytest.mark.parametrize("n,C,lead", SHAPES)
+def test_forward_and_backward_match_reference(name, n, C, lead):
+    assert_close_to_reference(name, make_inputs(n, C, lead), out_tol=1e-5, grad_tol=1e-5)
+
+
+@interpreted
+def test_sinkhorn_iterations_are_a_parameter():
+    assert_close_to_reference("post_pre", make_inputs(4, 48, (21,), seed=3), out_tol=1e-5, grad_tol=1e-5, iters=3)
+
+
+@interpreted
+def test_chain_of_sublayers_matches_reference():
+    """pre -> linear -> post_pre -> linear -> post, as the model runs it, values and gradients."""
+    inp = make_inputs(4, 48, (2, 13), seed=5)
+    w = torch.randn(48, 48) / 48 ** 0.5
+
+    def chain(ops, x, phi, alpha, bias):
+        u, h_post, h_res = ops.mhc_pre(x, phi, alpha, bias)
+        x, u, h_post, h_res = ops.mhc_post_pre(x, h_res, h_post, u @ w, phi, alpha, bias)
+        x = ops.mhc_post(x, h_res, h_post, torch.tanh(u @ w))
+        return (x.square() * torch.linspace(0, 1, 48)).sum()
+
+    results = []
+    for ops in (K, R):
+        leaves = [inp[k].clone().requires_grad_() for k in ("x", "phi", "alpha", "bias")]
+        loss = chain(ops, *leaves)
+        loss.backward()
+        results.append([loss.detach()] + [t.grad for t in leaves])
+    for mine, ref in zip(*results):
+        assert rel(mine, ref) < 1e-5
+
+
+@interpreted
+def test_unused_outputs_get_zero_gradients():
+    """Autograd passes None for unused outputs; the backward must treat them as zeros."""
+    inp = make_inputs(4, 48, (19,))
+    grads = []
+    for ops in (K, R):
+        leaves = {k: v.clone().requires_grad_() for k, v in inp.items()}
+        x_new, u, h_post, h_res = call(ops, "post_pre", leaves)
+        u.sum().backward()  # x_new, h_post, h_res unused
+        grads.append(leaves)
+    for k in ("x", "phi", "alpha", "bias", "y", "h_res", "h_post"):
+        assert rel(grads[0][k].grad, grads[1][k].grad) < 1e-5
+
+
+def test_falls_back_to_reference_where_kernels_cannot_run(monkeypatch):
+    monkeypatch.setattr(K, "INTERPRET", False)
+    inp = make_inputs(3, 40, (5,))  # n=3, C=40 are not kernel shapes: the reference must take them
+    assert not K.kernels_run_on(inp["x"])
+    for name in ("pre", "post", "post_pre"):
+        for mine, ref in zip(call(K, name, inp), call(R, name, inp)):
+            assert torch.equal(mine, ref)
+
+
+@interpreted
+@pytest.mark.parametrize("bad,match", [
+    (dict(x=torch.randn(5, 3, 48)), "power of two"),
+    (dict(x=torch.randn(5, 4, 40), phi=torch.randn(160, 24), y=torch.randn(5, 40)), "multiple of 16"),
+    (dict(phi=torch.randn(10, 24)), "phi has shape"),
+    (dict(y=torch.randn(5, 48, dtype=torch.float64)), "y has dtype"),
+    (dict(h_res=torch.randn(5, 4, 3)), "h_res has shape"),
+])
+def test_bad_inputs_raise_clear_errors(bad, match):
+    inp = make_inputs(4, 48, (5,))
+    if "x" in bad and "phi" not in bad:  # n=3: give phi/bias/coefficients the matching shapes
+        inp = make_inputs(3, 48, (5,))
+    inp.update(bad)
+    with pytest.raises(ValueError, match=match):
+        call(K, "post_pre", inp)
+
+
+def test_compiles_fullgraph_on_cpu():
+    """The public calls trace with no graph break (here through the reference fallback)."""
+    inp = make_inputs(4, 48, (2, 7))
+    w = torch.randn(48, 48) / 48 ** 0.5
+
+    def chain(x, phi, alpha, bias):
+        u, h_post, h_res = K.mhc_pre(x, phi, alpha, bias)
+        x, u, h_post, h_res = K.mhc_post_pre(x, h_res, h_post, u @ w, phi, alpha, bias)
+        return K.mhc_post(x, h_res, h_post, u @ w)
+
+    args = [inp[k] for k in ("x", "phi", "alpha", "bias")]
+    compiled = torch.compile(chain, fullgraph=True, backend="aot_eager")  # fullgraph: a break raises
+    assert rel(compiled(*args), chain(*args)) < 1e-5
+
+
+# ---------------------------------------------------------------- GPU, compiled kernels, bf16
+
+GPU_SHAPES = [(4, 512, (3, 1000)), (2, 320, (777,)), (8, 96, (4, 129))]
+
+
+@pytest.mark.parametrize("name", ["pre", "post", "post_pre"])
+@pytest.mark.parametrize("n,C,lead", GPU_SHAPES)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_matches_fp32_reference(name, n, C, lead):
+    inp = make_inputs(n, C, lead, device="cuda", dtype=torch.bfloat16)
+    ref_inp = {k: v.float() for k, v in inp.items()}  # reference in fp32 on the same bf16 values
+    assert_close_to_reference(name, inp, out_tol=1e-2, grad_tol=2e-2, ref_inp=ref_inp)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_backward_is_deterministic():
+    inp = make_inputs(4, 512, (4096,), device="cuda", dtype=torch.bfloat16)
+    first = outputs_and_grads(K, "post_pre", inp)[1]
+    second = outputs_and_grads(K, "post_pre", inp)[1]
+    for k in first:
+        assert torch.equal(first[k], second[k]), k
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_compile_fullgraph_matches_eager():
+    inp = make_inputs(4, 256, (2, 300), device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(256, 256, device="cuda") / 16).bfloat16()
+
+    def chain(x, phi, alpha, bias):
+        u, h_post, h_res = K.mhc_pre(x, phi, alpha, bias)
+        x, u, h_post, h_res = K.mhc_post_pre(x, h_res, h_post, u @ w, phi, alpha, bias)
+        x = K.mhc_post(x, h_res, h_post, u @ w)
+        return x.float().square().mean()
+
+    results = []
+    for fn in (chain, torch.compile(chain, fullgraph=True)):
+        leaves = [inp[k].clone().requires_grad_() for k in ("x", "phi", "alpha", "bias")]
+        loss = fn(*leaves)
+        loss.backward()
+        results.append([loss.detach()] + [t.grad for t in leaves])
+    for eager, compiled in zip(*results):
+        assert rel(compiled, eager) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_opcheck():
+    inp = make_inputs(4, 64, (70,), device="cuda", dtype=torch.bfloat16)
+    ops = torch.ops.mhcgolf
+    for op, args in [
+        (ops.mhc_pre_fwd, (inp["x"], inp["phi"], inp["alpha"], inp["bias"], 20)),
+        (ops.mhc_post_fwd, (inp["x"], inp["h_res"], inp["h_post"], inp["y"])),
+        (ops.mhc_post_pre_fwd, (inp["x"], inp["h_res"], inp["h_post"], inp["y"], inp["phi"], inp["alpha"],
+                                inp["bias"], 20)),
+    ]:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
