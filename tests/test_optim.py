@@ -1,4 +1,6 @@
 """Newton-Schulz, Muon, optimizer construction, lr/momentum setting and gradient clipping (1 process)."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -91,6 +93,27 @@ def test_muon_step_matches_the_per_matrix_formula():
             ref[i] = ref[i] * (1 - lr_i * wd) - lr_i * scale * update
     for p, r in zip(params, ref):
         torch.testing.assert_close(p.detach(), r, rtol=1e-5, atol=1e-6)
+
+
+def test_muon_state_dict_round_trip_keeps_lr_control():
+    """After load_state_dict (which replaces the group dicts) the schedule must still reach the update."""
+    g = torch.Generator().manual_seed(5)
+    a, b = nn.Parameter(torch.randn(6, 4, generator=g)), nn.Parameter(torch.zeros(6, 4))
+    with torch.no_grad():
+        b.copy_(a)
+    opt_a, opt_b = Muon([a], lr=0.1, momentum=0.9), Muon([b], lr=0.7, momentum=0.5)
+    for p, opt in ((a, opt_a), (b, opt_b)):  # both have stepped (built their layouts) before the load
+        p.grad = torch.randn(6, 4, generator=g)
+        opt.step()
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # as from disk: no shared buffers
+    with torch.no_grad():
+        b.copy_(a)
+    grad = torch.randn(6, 4, generator=g)
+    for opt, p in ((opt_a, a), (opt_b, b)):
+        opt.param_groups[0]["lr"] = 0.02
+        p.grad = grad.clone()
+        opt.step()
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_muon_rejects_vectors_and_missing_grads():

@@ -58,8 +58,9 @@ class _Bucket:
     r * n_chunks ... (r + 1) * n_chunks - 1, holding parameters r, r + W, r + 2W, ... (zeros past the end).
     """
 
-    def __init__(self, group: dict, params: list[nn.Parameter], world: int, rank: int):
-        self.group, self.params, self.world, self.rank = group, params, world, rank
+    def __init__(self, group_index: int, params: list[nn.Parameter], world: int, rank: int):
+        # An index, not the dict: load_state_dict replaces the param-group dicts.
+        self.group_index, self.params, self.world, self.rank = group_index, params, world, rank
         self.n_chunks = math.ceil(len(params) / world)
         self.own = params[rank::world]  # chunk order c = 0, 1, ... : parameter c * W + rank
         self.pad = torch.zeros_like(params[0])
@@ -120,11 +121,11 @@ class Muon(torch.optim.Optimizer):
         if self._buckets is None or self._layout_world != (world, rank):
             self._layout_world = (world, rank)
             self._buckets = []
-            for group in self.param_groups:
+            for index, group in enumerate(self.param_groups):
                 by_shape: dict[tuple, list[nn.Parameter]] = {}
                 for p in group["params"]:
                     by_shape.setdefault((tuple(p.shape), p.dtype, p.device), []).append(p)
-                self._buckets += [_Bucket(group, ps, world, rank) for ps in by_shape.values()]
+                self._buckets += [_Bucket(index, ps, world, rank) for ps in by_shape.values()]
         return self._buckets
 
     @torch.no_grad()
@@ -172,7 +173,7 @@ class Muon(torch.optim.Optimizer):
         k = len(b.own)
         if k == 0:  # fewer matrices of this shape than ranks
             return
-        g = b.group
+        g = self.param_groups[b.group_index]
         lr, beta, wd = g["lr"], g["momentum"], g["weight_decay"]
         rows = list(b.grad[:k].unbind(0))
         bufs = []

@@ -1,0 +1,122 @@
+"""Sharded Muon + bucketed all-reduce on 2 and 3 gloo processes == one process stepping on the averaged grads."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+from training.config import OptimConfig
+from training.distributed import (all_reduce_mean, barrier, destroy, init_distributed, is_main, optimizer_step,
+                                  print0, world_size)
+from training.optim import Muon, build_optimizers, check_param_groups, set_lr_and_momentum
+from training.schedule import lr_multiplier
+
+VOCAB, STEPS, MICRO = 11, 3, 2
+# Small clip so the global-norm clip is active: it must be computed from the averaged gradients.
+CFG = OptimConfig(grad_clip=0.05, weight_decay=0.1, muon_momentum_warmup_steps=2, warmup_steps=2)
+
+
+class Chain(nn.Module):
+    """Embedding -> a chain of matrices (several same-shape buckets) -> tied head."""
+
+    def __init__(self, shapes: list[tuple[int, int]]):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, shapes[0][1])
+        self.mats = nn.ParameterList([nn.Parameter(torch.randn(s) / s[1] ** 0.5) for s in shapes])
+        self.gain = nn.Parameter(torch.ones(shapes[-1][0]))
+
+    def param_groups(self):
+        return {"matrix": list(self.mats), "embed": [self.embed.weight], "scalar": [self.gain]}
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx)
+        for W in self.mats:
+            h = torch.tanh(h @ W.T)
+        logits = (h * self.gain) @ self.embed.weight.T
+        return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
+
+
+def batch(step: int, rank: int, micro: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (3, 6), generator=torch.Generator().manual_seed(1000 * step + 10 * rank + micro))
+
+
+def accumulate(model: Chain, step: int, rank: int) -> None:
+    for micro in range(MICRO):
+        (model(batch(step, rank, micro)) / MICRO).backward()
+
+
+def worker(rank: int, world: int, port: int, out_dir: str, shapes) -> None:
+    torch.set_num_threads(1)  # up to 3 processes share 2 cores: oversubscribed OpenMP threads only slow them
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    info = init_distributed("cpu")
+    try:
+        assert (info.rank, info.world_size, world_size(), is_main()) == (rank, world, world, rank == 0)
+        model = Chain(shapes)
+        check_param_groups(model, model.param_groups())
+        opts = build_optimizers(model.param_groups(), CFG)
+        norms = []
+        for step in range(STEPS):
+            set_lr_and_momentum(opts, lr_multiplier(step / STEPS, step, CFG), step, CFG)
+            accumulate(model, step, rank)
+            norms.append(optimizer_step(opts, CFG.grad_clip))
+        mean_rank = all_reduce_mean(torch.tensor(float(rank)))
+        barrier()
+        print0(f"world {world} done")
+        muon = next(o for o in opts if isinstance(o, Muon))
+        torch.save({"params": [p.detach() for p in model.parameters()], "norms": torch.stack(norms),
+                    "mean_rank": mean_rank, "muon_state": len(muon.state)}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        destroy()
+
+
+def single_process_reference(shapes, world: int):
+    """Same steps in one process, each step on the average of every rank's accumulated gradients."""
+    model = Chain(shapes)
+    opts = build_optimizers(model.param_groups(), CFG)
+    norms = []
+    for step in range(STEPS):
+        per_rank = []
+        for rank in range(world):
+            model.zero_grad(set_to_none=True)
+            accumulate(model, step, rank)
+            per_rank.append([p.grad.clone() for p in model.parameters()])
+        assert not torch.equal(per_rank[0][0], per_rank[1][0])  # ranks really see different data
+        for p, grads in zip(model.parameters(), zip(*per_rank)):
+            p.grad = torch.stack(grads).mean(0)
+        set_lr_and_momentum(opts, lr_multiplier(step / STEPS, step, CFG), step, CFG)
+        norms.append(optimizer_step(opts, CFG.grad_clip))
+    return [p.detach() for p in model.parameters()], torch.stack(norms)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world,shapes", [
+    # 6 matrices: 3 x (8, 8) -> one padded chunk; (16, 8), (16, 16), (8, 16) alone -> rank 1 idle there.
+    (2, [(8, 8), (16, 8), (16, 16), (8, 16), (8, 8), (8, 8)]),
+    # 7 matrices on 3 ranks: 5 x (8, 8) -> two chunks, one padded; (12, 8), (8, 12) alone.
+    (3, [(8, 8), (12, 8), (8, 12), (8, 8), (8, 8), (8, 8), (8, 8)]),
+])
+def test_sharded_step_equals_single_process_on_averaged_grads(tmp_path, capfd, world, shapes):
+    mp.spawn(worker, args=(world, free_port(), str(tmp_path), shapes), nprocs=world, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    ref_params, ref_norms = single_process_reference(shapes, world)
+    assert (ref_norms > CFG.grad_clip).all()  # the clip was active on every step
+    for res in results:
+        torch.testing.assert_close(res["norms"], ref_norms, rtol=1e-6, atol=0)
+        assert res["mean_rank"].item() == pytest.approx((world - 1) / 2)
+        for got, want in zip(res["params"], ref_params):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        for got, want in zip(res["params"], results[0]["params"]):
+            assert torch.equal(got, want)  # ranks hold bit-identical weights
+    # Momentum state is sharded: each matrix has its buffer on exactly one rank.
+    assert sum(res["muon_state"] for res in results) == len(shapes)
+    assert capfd.readouterr().out.count(f"world {world} done") == 1  # print0 prints on rank 0 only
