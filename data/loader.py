@@ -1,0 +1,274 @@
+"""Training and validation token streams over memory-mapped shards.
+
+Training order. A pass splits every shard into blocks of seq_len + 1 tokens (inputs and their
+shifted targets; consecutive blocks share one token, so every target token after the phase offset is
+used once). For each (pass, shard) a generator seeded with (seed, pass, shard) -- identical on every
+rank -- draws a phase (a token offset in [0, seq_len) and a starting block) and a stride coprime to the
+block count; visiting blocks (start + k * stride) mod n_blocks for k = 0..n_blocks-1 reaches every
+block exactly once. Rank r takes k = r, r + W, r + 2W, ...: ranks are disjoint and together cover
+the pass. Each batch mixes up to `shards_per_batch` shards, chosen with probability proportional to
+their blocks left in the pass so all shards drain together. The whole order is a pure function of
+(seed, rank, world_size, seq_len, batch_seqs, shard sizes) and of the small resumable state
+(pass, draws, per-shard cursors).
+
+Delivery. A daemon thread builds batches into pinned CPU memory and queues up to `prefetch` of them;
+on CUDA the host-to-device copy of batch i+1 is issued on a side stream when batch i is handed out.
+`state_dict()` describes the batches handed out by `next_batch()`, never those merely prefetched.
+"""
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.shards import read_shard
+
+STATE_FORMAT = 1
+_PHASE_TAG = 0x5EED  # separates the per-shard phase stream from the per-batch shard-choice stream
+
+
+class _Pass:
+    """The block order of one shard in one pass (shared by all ranks)."""
+
+    def __init__(self, n_tokens: int, seq_len: int, rng: np.random.Generator):
+        max_offset = min(seq_len - 1, n_tokens - 1 - seq_len)
+        self.offset = int(rng.integers(0, max_offset + 1))
+        self.n_blocks = (n_tokens - 1 - self.offset) // seq_len
+        self.start = int(rng.integers(0, self.n_blocks))
+        stride = int(rng.integers(1, max(self.n_blocks, 2)))
+        while math.gcd(stride, self.n_blocks) != 1:
+            stride = int(rng.integers(1, max(self.n_blocks, 2)))
+        self.stride = stride
+
+    def token_start(self, k: int, seq_len: int) -> int:
+        return self.offset + ((self.start + k * self.stride) % self.n_blocks) * seq_len
+
+
+class TokenLoader:
+    """Batches of (inputs, targets), int64 [batch_seqs, seq_len] on `device`; see the module docstring."""
+
+    def __init__(self, files: list[str], seq_len: int, batch_seqs: int, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, shards_per_batch: int = 4, prefetch: int = 4,
+                 device: str | torch.device = "cpu"):
+        if not files:
+            raise ValueError("TokenLoader: no shard files given (hint: check data.train_files)")
+        if seq_len < 1 or batch_seqs < 1:
+            raise ValueError(f"TokenLoader: seq_len ({seq_len}) and batch_seqs ({batch_seqs}) must be >= 1")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"TokenLoader: rank {rank} must be in [0, world_size={world_size})")
+        if seed < 0 or shards_per_batch < 1 or prefetch < 0:
+            raise ValueError(f"TokenLoader: need seed >= 0 (got {seed}), shards_per_batch >= 1 (got "
+                             f"{shards_per_batch}) and prefetch >= 0 (got {prefetch})")
+        self.files = [str(f) for f in files]
+        self.tokens = [read_shard(f) for f in self.files]  # memory maps: pages load on demand
+        for f, t in zip(self.files, self.tokens):
+            if len(t) < seq_len + 1:
+                raise ValueError(f"TokenLoader: {f} has {len(t)} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        self.seq_len, self.batch_seqs = seq_len, batch_seqs
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.shards_per_batch, self.prefetch = shards_per_batch, prefetch
+        self.device = torch.device(device)
+        self._pin = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if self._pin else None
+        self._passes: dict[int, list[_Pass]] = {}
+        self._consumed = self._initial_state()
+        self._ready = None      # (x, y, event, state) of the batch already copied to the device
+        self._thread = None
+        self._start_producer(self._consumed)
+
+    # ----- the order: a pure function of the state -----
+
+    def _initial_state(self) -> dict:
+        return {"pass": 0, "draws": 0, "cursors": [0] * len(self.files)}
+
+    def _pass(self, p: int) -> list[_Pass]:
+        passes = self._passes.get(p)  # read once: the producer thread may swap the cache concurrently
+        if passes is None:
+            passes = [_Pass(len(t), self.seq_len, np.random.default_rng([self.seed, p, s, _PHASE_TAG]))
+                      for s, t in enumerate(self.tokens)]
+            self._passes = {p: passes}
+        return passes
+
+    def _rank_blocks(self, shard_pass: _Pass) -> int:
+        """Blocks of one shard this rank takes in a pass: k = rank, rank + W, ... below n_blocks."""
+        return max(0, (shard_pass.n_blocks - self.rank + self.world_size - 1) // self.world_size)
+
+    def blocks_in_pass(self, p: int) -> int:
+        """How many blocks (sequences) this rank receives in pass `p`."""
+        return sum(self._rank_blocks(sp) for sp in self._pass(p))
+
+    def _plan_batch(self, state: dict) -> tuple[list[tuple[int, int]], dict]:
+        """(shard, token start) of each row of the next batch, and the state after it."""
+        p, draws, cursors = state["pass"], state["draws"], list(state["cursors"])
+        rows: list[tuple[int, int]] = []
+        while len(rows) < self.batch_seqs:
+            passes = self._pass(p)
+            left = np.array([self._rank_blocks(sp) - c for sp, c in zip(passes, cursors)], dtype=np.float64)
+            if left.sum() == 0:
+                if not any(cursors):
+                    raise ValueError(f"TokenLoader: rank {self.rank} gets no blocks in pass {p}: too little data "
+                                     f"for world_size {self.world_size} at seq_len {self.seq_len}")
+                p, draws, cursors = p + 1, 0, [0] * len(cursors)
+                continue
+            rng = np.random.default_rng([self.seed, self.rank, p, draws])
+            draws += 1
+            active = np.flatnonzero(left)
+            k = min(self.shards_per_batch, len(active))
+            chosen = rng.choice(active, size=k, replace=False, p=left[active] / left[active].sum())
+            need = self.batch_seqs - len(rows)
+            for i, s in enumerate(chosen.tolist()):
+                take = min(need // k + (i < need % k), int(left[s]))
+                for c in range(cursors[s], cursors[s] + take):
+                    kk = self.rank + c * self.world_size
+                    rows.append((s, passes[s].token_start(kk, self.seq_len)))
+                cursors[s] += take
+        if all(self._rank_blocks(sp) == c for sp, c in zip(self._pass(p), cursors)):
+            p, draws, cursors = p + 1, 0, [0] * len(cursors)  # canonical: a finished pass is the next one
+        return rows, {"pass": p, "draws": draws, "cursors": cursors}
+
+    def _gather(self, rows: list[tuple[int, int]]) -> torch.Tensor:
+        """Token rows [batch_seqs, seq_len + 1] as int32, pinned when bound for a GPU."""
+        out = torch.empty((len(rows), self.seq_len + 1), dtype=torch.int32, pin_memory=self._pin)
+        buf = out.numpy()
+        for i, (s, start) in enumerate(rows):
+            buf[i] = self.tokens[s][start:start + self.seq_len + 1]
+        return out
+
+    # ----- the producer thread -----
+
+    def _produce_one(self, state: dict):
+        rows, after = self._plan_batch(state)
+        return self._gather(rows), after
+
+    def _start_producer(self, state: dict) -> None:
+        self._producer_state = state
+        if self.prefetch == 0:
+            return
+        self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce_forever, args=(self._queue, self._stop, state),
+                                        name="TokenLoader", daemon=True)
+        self._thread.start()
+
+    def _produce_forever(self, q: queue.Queue, stop: threading.Event, state: dict) -> None:
+        try:
+            while not stop.is_set():
+                item = self._produce_one(state)
+                state = item[1]
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.05)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as exc:  # handed to the consumer, who re-raises it
+            q.put(exc)
+
+    def _stop_producer(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def _next_cpu(self):
+        if self.prefetch == 0:
+            item = self._produce_one(self._producer_state)
+            self._producer_state = item[1]
+            return item
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise RuntimeError("TokenLoader: the prefetch thread failed") from item
+        return item
+
+    # ----- delivery -----
+
+    def _to_device(self, rows: torch.Tensor, state: dict):
+        if self._copy_stream is None:
+            return rows[:, :-1].long(), rows[:, 1:].long(), None, state
+        with torch.cuda.stream(self._copy_stream):
+            dev = rows.to(self.device, non_blocking=True)
+            x, y = dev[:, :-1].long(), dev[:, 1:].long()
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        return x, y, event, state
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._ready is None:
+            self._ready = self._to_device(*self._next_cpu())
+        x, y, event, state = self._ready
+        # Start the next copy now so it overlaps the caller's compute on this batch.
+        self._ready = self._to_device(*self._next_cpu()) if self._copy_stream is not None else None
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            x.record_stream(current)  # the allocator must not reuse these while the step still reads them
+            y.record_stream(current)
+        self._consumed = state
+        return x, y
+
+    @property
+    def epoch(self) -> int:
+        """The pass (0-based) the next handed-out block comes from."""
+        return self._consumed["pass"]
+
+    def state_dict(self) -> dict:
+        return {"format": STATE_FORMAT, "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
+                "seq_len": self.seq_len, "files": [Path(f).name for f in self.files],
+                "pass": self._consumed["pass"], "draws": self._consumed["draws"],
+                "cursors": list(self._consumed["cursors"])}
+
+    def load_state_dict(self, d: dict) -> None:
+        mine = self.state_dict()
+        for key in ("format", "seed", "rank", "world_size", "seq_len", "files"):
+            if d.get(key) != mine[key]:
+                raise ValueError(f"TokenLoader.load_state_dict: state has {key}={d.get(key)!r} but this loader has "
+                                 f"{mine[key]!r} (hint: resume with the same data, seed, seq_len and world size)")
+        self._stop_producer()
+        self._ready = None
+        self._consumed = {"pass": int(d["pass"]), "draws": int(d["draws"]), "cursors": [int(c) for c in d["cursors"]]}
+        self._start_producer(self._consumed)
+
+    def close(self) -> None:
+        self._stop_producer()
+        self._ready = None
+
+    def __enter__(self) -> "TokenLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_tokens(files: list[str]) -> np.ndarray:
+    """All tokens of `files` concatenated in order (uint16, in memory): the validation split."""
+    if not files:
+        raise ValueError("load_tokens: no shard files given (hint: check data.val_files)")
+    return np.concatenate([read_shard(f, mmap=False) for f in files])
+
+
+def validation_batches(files: list[str], seq_len: int, batch_seqs: int, rank: int = 0,
+                       world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Non-overlapping windows over the validation split, in order; int64 CPU tensors.
+
+    Window i has inputs tokens[i*L : (i+1)*L] and targets one token later, so targets 1..N-1 are each
+    scored once. Rank r takes the contiguous windows [r*n/W, (r+1)*n/W); the last rank also gets the
+    final partial window (shape [1, leftover]) so that together the ranks cover the split exactly once.
+    """
+    tokens = load_tokens(files)
+    n_windows = (len(tokens) - 1) // seq_len
+    lo, hi = rank * n_windows // world_size, (rank + 1) * n_windows // world_size
+    for first in range(lo, hi, batch_seqs):
+        last = min(first + batch_seqs, hi)
+        block = torch.from_numpy(tokens[first * seq_len:last * seq_len + 1].astype(np.int64))
+        x = block[:-1].view(last - first, seq_len)
+        y = block[1:].reshape(last - first, seq_len)
+        yield x, y
+    leftover = len(tokens) - 1 - n_windows * seq_len
+    if rank == world_size - 1 and leftover > 0:
+        tail = torch.from_numpy(tokens[n_windows * seq_len:].astype(np.int64))
+        yield tail[:-1].view(1, leftover), tail[1:].reshape(1, leftover)

@@ -1,0 +1,112 @@
+"""The published token-shard format (compatible with the parameter-golf FineWeb exports).
+
+A shard is a 256 x int32 little-endian header -- [0] magic 20240520, [1] version 1, [2] token count --
+followed by exactly that many little-endian uint16 tokens. Every document is BOS (id 1) followed by its
+tokens; there is no EOS. A document may continue into the next shard.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = 20240520
+VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+BOS_ID = 1
+TOKEN_DTYPE = np.dtype("<u2")
+
+
+class ShardError(ValueError):
+    """A shard file that does not follow the format; the message names the file and the expectation."""
+
+
+def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
+    """Write `tokens` (integers in [0, 65535]) as a shard, atomically: a temporary file in the same
+    directory is renamed over `path` only once it is complete, so a crash never leaves a valid-looking
+    half shard."""
+    path = Path(path)
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise ShardError(f"{path}: tokens must be a 1-D integer array, got shape {tokens.shape} dtype {tokens.dtype}")
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) > 0xFFFF):
+        raise ShardError(f"{path}: token ids must fit in uint16 [0, 65535], got range "
+                         f"[{int(tokens.min())}, {int(tokens.max())}]")
+    if tokens.size >= 2**31:
+        raise ShardError(f"{path}: {tokens.size} tokens do not fit the int32 count in the header")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[0], header[1], header[2] = MAGIC, VERSION, tokens.size
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header.tobytes())
+            f.write(tokens.astype(TOKEN_DTYPE, copy=False).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def read_header(path: str | os.PathLike) -> int:
+    """Validate the header and the exact file size of a shard; returns its token count."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise ShardError(f"{path}: no such shard file") from None
+    if size < HEADER_BYTES:
+        raise ShardError(f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte header "
+                         "(truncated, or not a token shard)")
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    magic, version, count = int(header[0]), int(header[1]), int(header[2])
+    if magic != MAGIC:
+        raise ShardError(f"{path}: header magic is {magic}, expected {MAGIC} (not a token shard, or "
+                         "written with another byte order)")
+    if version != VERSION:
+        raise ShardError(f"{path}: header version is {version}, expected {VERSION}")
+    if count < 0:
+        raise ShardError(f"{path}: header declares a negative token count {count}")
+    expected = HEADER_BYTES + 2 * count
+    if size != expected:
+        kind = "truncated" if size < expected else "oversized"
+        raise ShardError(f"{path}: {kind}: header declares {count} tokens, so the file should be {expected} "
+                         f"bytes, but it is {size} (hint: an interrupted copy or download; fetch it again)")
+    return count
+
+
+def read_shard(path: str | os.PathLike, vocab_size: int | None = None, mmap: bool = True) -> np.ndarray:
+    """Tokens of a validated shard as uint16: a read-only memory map (nothing read yet) or, with
+    mmap=False, an array in memory. With `vocab_size`, every id must be below it (this reads the shard)."""
+    count = read_header(path)
+    if mmap:
+        tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r", offset=HEADER_BYTES, shape=(count,))
+    else:
+        tokens = np.fromfile(path, dtype=TOKEN_DTYPE, count=count, offset=HEADER_BYTES)
+    if vocab_size is not None and count:
+        top = int(tokens.max())
+        if top >= vocab_size:
+            where = int(np.argmax(tokens >= vocab_size))
+            raise ShardError(f"{path}: token id {top} (first out-of-range id at position {where}) is not below "
+                             f"vocab_size {vocab_size} (hint: shards and tokenizer do not match)")
+    return tokens
+
+
+def list_shards(pattern: str) -> list[str]:
+    """Sorted files matching a glob pattern; an error naming the pattern when nothing matches."""
+    files = sorted(glob.glob(os.path.expanduser(pattern)))
+    if not files:
+        raise FileNotFoundError(f"no shard files match {pattern!r} (hint: run `python -m data.download` for "
+                                "FineWeb or `python -m data.demo --out DIR` for the demo corpus, and check the "
+                                "path is relative to the directory you run from)")
+    return files
+
+
+def count_documents(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
+    """Documents that start in `tokens` (one BOS each), counted in chunks so a memory-mapped shard is
+    never materialized whole."""
+    return sum(int(np.count_nonzero(tokens[i:i + chunk] == BOS_ID)) for i in range(0, len(tokens), chunk))

@@ -1,0 +1,173 @@
+"""SentencePiece tokenizers with the published sp1024 settings, text readers, and exact byte accounting.
+
+    python -m data.tokenizer --input FILE... --vocab-size N --out PREFIX
+
+Text files: `.txt` holds one document per non-empty line; `.jsonl`, `.jsonl.gz` and `.jsonl.xz` hold one
+JSON object per line with the document in its "text" field.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import io
+import json
+import lzma
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+
+# The settings of the official parameter-golf tokenizers (read from their model protos).
+PUBLISHED_SETTINGS = dict(
+    model_type="bpe", byte_fallback=True, split_digits=True, normalization_rule_name="nmt_nfkc",
+    add_dummy_prefix=False, pad_id=0, bos_id=1, eos_id=2, unk_id=3, character_coverage=0.999,
+    hard_vocab_limit=False,
+)
+TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.xz")
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    name = path.name
+    if name.endswith(".xz"):
+        return lzma.open(path, "rt", encoding="utf-8")
+    if name.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def iter_texts(paths: list[str | os.PathLike]) -> Iterator[str]:
+    """Documents from text files, in file order then line order (see the module docstring)."""
+    for path in map(Path, paths):
+        if not path.name.endswith(TEXT_SUFFIXES):
+            raise ValueError(f"{path}: unsupported file kind; expected one of {', '.join(TEXT_SUFFIXES)}")
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such text file")
+        is_jsonl = not path.name.endswith(".txt")
+        with _open_text(path) as f:
+            for line_no, line in enumerate(f, 1):
+                line = line.rstrip("\n")
+                if not line.strip():
+                    continue
+                if not is_jsonl:
+                    yield line
+                    continue
+                try:
+                    text = json.loads(line)["text"]
+                except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                    raise ValueError(f"{path}:{line_no}: expected a JSON object with a \"text\" string field "
+                                     f"({type(exc).__name__}: {exc})") from None
+                if not isinstance(text, str):
+                    raise ValueError(f"{path}:{line_no}: \"text\" must be a string, got {type(text).__name__}")
+                yield text
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def train_tokenizer(inputs: list[str], vocab_size: int, out_prefix: str, *, num_threads: int | None = None,
+                    max_sentence_length: int = 4192) -> str:
+    """Train a BPE tokenizer with the published settings on the documents of `inputs`.
+
+    Writes PREFIX.model and PREFIX.vocab (each renamed into place once complete) and returns the
+    .model path. Documents longer than `max_sentence_length` bytes are left out of training, as
+    SentencePiece does by default.
+    """
+    if vocab_size < 256 + 4 + 1:
+        raise ValueError(f"vocab_size {vocab_size} is too small: byte fallback alone needs 256 byte pieces "
+                         "plus 4 control ids, and at least one merged piece")
+    out_prefix = str(out_prefix)
+    Path(out_prefix).parent.mkdir(parents=True, exist_ok=True)
+    tmp_prefix = f"{out_prefix}.tmp{os.getpid()}"
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter_texts(inputs), model_prefix=tmp_prefix, vocab_size=vocab_size,
+            num_threads=num_threads or os.cpu_count() or 1, max_sentence_length=max_sentence_length,
+            minloglevel=2, **PUBLISHED_SETTINGS)
+        for ext in (".vocab", ".model"):  # .model last: its presence means the pair is complete
+            os.replace(tmp_prefix + ext, out_prefix + ext)
+    finally:
+        for ext in (".vocab", ".model"):
+            if os.path.exists(tmp_prefix + ext):
+                os.unlink(tmp_prefix + ext)
+    return out_prefix + ".model"
+
+
+def load_sp(model_path_or_sp) -> spm.SentencePieceProcessor:
+    if isinstance(model_path_or_sp, spm.SentencePieceProcessor):
+        return model_path_or_sp
+    path = Path(model_path_or_sp)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such tokenizer model (hint: data.tokenizer in the config, or "
+                                "`python -m data.download` / `python -m data.demo`)")
+    return spm.SentencePieceProcessor(model_file=str(path))
+
+
+@dataclass
+class ByteLUT:
+    """Per-id byte accounting (GUIDE section 2); arrays of length vocab_size."""
+    base_bytes: np.ndarray          # int16: UTF-8 bytes of the piece without its leading "▁"
+    has_leading_space: np.ndarray   # bool: piece starts with "▁" (one more byte unless after a boundary)
+    is_boundary: np.ndarray         # bool: control / unknown / unused ids (BOS among them)
+
+
+def build_byte_lut(model_path_or_sp) -> ByteLUT:
+    """Bytes each token decodes to. Control, unknown and unused ids: 0 bytes and boundaries. Byte-fallback
+    pieces <0xNN>: 1 byte. Others: UTF-8 length of the piece with a leading "▁" removed (any other "▁"
+    decodes to a 1-byte space), plus one for the leading "▁" unless the previous token is a boundary --
+    SentencePiece drops that space at the start of a decoded document."""
+    sp = load_sp(model_path_or_sp)
+    vocab = sp.get_piece_size()
+    base = np.zeros(vocab, dtype=np.int16)
+    space = np.zeros(vocab, dtype=bool)
+    boundary = np.zeros(vocab, dtype=bool)
+    for i in range(vocab):
+        if sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i):
+            boundary[i] = True
+        elif sp.is_byte(i):
+            base[i] = 1
+        else:
+            piece = sp.id_to_piece(i)
+            if piece.startswith("▁"):
+                space[i] = True
+                piece = piece[1:]
+            base[i] = len(piece.replace("▁", " ").encode("utf-8"))
+    return ByteLUT(base_bytes=base, has_leading_space=space, is_boundary=boundary)
+
+
+def count_target_bytes(prev_ids: np.ndarray, target_ids: np.ndarray, lut: ByteLUT) -> np.ndarray:
+    """UTF-8 bytes of each target token given the token before it (int64, same shape as target_ids)."""
+    prev_ids, target_ids = np.asarray(prev_ids), np.asarray(target_ids)
+    if prev_ids.shape != target_ids.shape:
+        raise ValueError(f"prev_ids {prev_ids.shape} and target_ids {target_ids.shape} must have the same shape")
+    extra = lut.has_leading_space[target_ids] & ~lut.is_boundary[prev_ids]
+    return lut.base_bytes[target_ids].astype(np.int64) + extra
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Train a SentencePiece BPE tokenizer with the published sp1024 "
+                                "settings (byte fallback, split digits, nmt_nfkc, no dummy prefix).")
+    p.add_argument("--input", nargs="+", required=True, help="text files: .txt, .jsonl, .jsonl.gz, .jsonl.xz")
+    p.add_argument("--vocab-size", type=int, required=True)
+    p.add_argument("--out", required=True, help="output prefix: writes PREFIX.model and PREFIX.vocab")
+    args = p.parse_args(argv)
+    try:
+        model = train_tokenizer(args.input, args.vocab_size, args.out)
+    except (ValueError, FileNotFoundError) as exc:
+        sys.exit(f"data.tokenizer: {exc}")
+    except RuntimeError as exc:  # SentencePiece's own checks, e.g. more distinct characters than vocab
+        sys.exit(f"data.tokenizer: SentencePiece training failed: {str(exc).splitlines()[-1]}")
+    print(json.dumps({"model": model, "vocab_size": args.vocab_size, "sha256": file_sha256(model)}))
+
+
+if __name__ == "__main__":
+    main()

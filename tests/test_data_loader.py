@@ -1,0 +1,181 @@
+"""Training loader order (coverage, rank disjointness, seeding, resume) and the validation iterators."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from data.loader import TokenLoader, load_tokens, validation_batches
+from data.shards import write_shard
+
+SHARD_BASE = 10_000  # token value = shard * SHARD_BASE + position: every row's first token names its block
+
+
+@pytest.fixture
+def shards(tmp_path):
+    sizes = [9000, 4001, 7777, 650, 9999]
+    files = []
+    for s, n in enumerate(sizes):
+        path = tmp_path / f"train_{s:06d}.bin"
+        write_shard(path, s * SHARD_BASE + np.arange(n))
+        files.append(str(path))
+    return files, sizes
+
+
+def take(loader, n_batches):
+    return [loader.next_batch() for _ in range(n_batches)]
+
+
+def rows_of_pass(loader, p=0):
+    """The first blocks_in_pass(p) rows the loader hands out, as first-input-token values."""
+    need = loader.blocks_in_pass(p)
+    firsts = []
+    while len(firsts) < need:
+        x, y = loader.next_batch()
+        assert torch.equal(x[:, 1:], y[:, :-1])  # targets are inputs shifted by one
+        firsts.extend(x[:, 0].tolist())
+    return firsts[:need]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_one_pass_tiles_every_shard_once_and_ranks_are_disjoint(shards, world_size):
+    files, sizes = shards
+    seq_len = 64
+    per_rank = []
+    for rank in range(world_size):
+        with TokenLoader(files, seq_len, batch_seqs=7, rank=rank, world_size=world_size, seed=3,
+                         shards_per_batch=2, prefetch=2) as loader:
+            per_rank.append(rows_of_pass(loader))
+    everything = [v for rows in per_rank for v in rows]
+    assert len(everything) == len(set(everything)), "a block was served twice in one pass"
+    for s, n in enumerate(sizes):
+        starts = sorted(v - s * SHARD_BASE for v in everything if v // SHARD_BASE == s)
+        offset = starts[0]
+        assert 0 <= offset < seq_len
+        # contiguous tiling from the phase offset to the last full block: every block exactly once
+        assert starts == list(range(offset, offset + len(starts) * seq_len, seq_len))
+        assert len(starts) == (n - 1 - offset) // seq_len
+
+
+def test_batches_mix_several_shards(shards):
+    files, _ = shards
+    with TokenLoader(files, 32, batch_seqs=8, seed=0, shards_per_batch=4, prefetch=0) as loader:
+        counts = [len(set((x[:, 0] // SHARD_BASE).tolist())) for x, _ in take(loader, 20)]
+    assert max(counts) == 4 and min(counts) >= 2
+    with TokenLoader(files, 32, batch_seqs=8, seed=0, shards_per_batch=1, prefetch=0) as loader:
+        counts = [len(set((x[:, 0] // SHARD_BASE).tolist())) for x, _ in take(loader, 20)]
+    assert max(counts) <= 2  # one shard per draw; a second only when the first runs dry
+
+
+def test_same_seed_same_order_different_seed_different_order(shards):
+    files, _ = shards
+
+    def firsts(seed, prefetch):
+        with TokenLoader(files, 48, batch_seqs=5, seed=seed, prefetch=prefetch) as loader:
+            return [x[:, 0].tolist() for x, _ in take(loader, 30)]
+    assert firsts(1, 0) == firsts(1, 4) == firsts(1, 1)
+    assert firsts(1, 0) != firsts(2, 0)
+
+
+def test_each_pass_is_a_new_order_of_a_full_tiling(shards):
+    files, _ = shards
+    with TokenLoader(files, 50, batch_seqs=1, seed=5, prefetch=2) as loader:
+        first = rows_of_pass(loader, 0)
+        assert loader.epoch == 1
+        second = rows_of_pass(loader, 1)
+        assert loader.epoch == 2
+    assert len(set(second)) == len(second) and second != first
+    # a new phase offset per pass: the tiling itself moves, not only the order
+    assert set(second) != set(first)
+
+
+@pytest.mark.parametrize("prefetch", [0, 4])
+def test_resume_reproduces_batches_even_with_prefetch_ahead(shards, prefetch):
+    files, _ = shards
+    kwargs = dict(seq_len=40, batch_seqs=6, seed=11, shards_per_batch=3, prefetch=prefetch)
+    with TokenLoader(files, **kwargs) as a:
+        take(a, 13)
+        state = json.loads(json.dumps(a.state_dict()))  # must survive JSON
+        expected = take(a, 200)  # runs past a pass boundary
+        assert a.epoch >= 1
+    with TokenLoader(files, **kwargs) as b:
+        b.load_state_dict(state)
+        got = take(b, 200)
+    for (xe, ye), (xg, yg) in zip(expected, got):
+        assert torch.equal(xe, xg) and torch.equal(ye, yg)
+
+
+def test_rewind_in_place(shards):
+    files, _ = shards
+    with TokenLoader(files, 40, batch_seqs=6, seed=2, prefetch=4) as loader:
+        state = loader.state_dict()
+        first = take(loader, 5)
+        loader.load_state_dict(state)
+        again = take(loader, 5)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again))
+
+
+def test_state_from_another_setup_is_refused(shards):
+    files, _ = shards
+    with TokenLoader(files, 40, batch_seqs=6, seed=2, prefetch=0) as a:
+        state = a.state_dict()
+    with TokenLoader(files, 40, batch_seqs=6, seed=3, prefetch=0) as b:
+        with pytest.raises(ValueError, match="seed=2 but this loader has 3"):
+            b.load_state_dict(state)
+
+
+def test_outputs_are_int64_on_device(shards):
+    files, _ = shards
+    with TokenLoader(files, 16, batch_seqs=3, prefetch=1, device="cpu") as loader:
+        x, y = loader.next_batch()
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (3, 16) and x.device.type == "cpu"
+
+
+def test_bad_arguments_are_explained(shards, tmp_path):
+    files, _ = shards
+    with pytest.raises(ValueError, match="rank 2 must be in"):
+        TokenLoader(files, 16, 2, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="shards_per_batch >= 1"):
+        TokenLoader(files, 16, 2, shards_per_batch=0)
+    tiny = tmp_path / "tiny.bin"
+    write_shard(tiny, np.arange(10))
+    with pytest.raises(ValueError, match="tiny.bin has 10 tokens"):
+        TokenLoader([str(tiny)], 16, 2)
+
+
+def test_load_tokens_concatenates_in_order(shards):
+    files, sizes = shards
+    tokens = load_tokens(files[:2])
+    assert tokens.dtype == np.uint16 and len(tokens) == sizes[0] + sizes[1]
+    assert tokens[sizes[0]] == SHARD_BASE
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_validation_batches_cover_split_once_in_order(shards, world_size):
+    files, sizes = shards
+    files = files[:2]
+    n = sizes[0] + sizes[1]
+    targets = []
+    for rank in range(world_size):
+        for x, y in validation_batches(files, seq_len=100, batch_seqs=7, rank=rank, world_size=world_size):
+            assert x.shape == y.shape and x.shape[0] <= 7 and x.dtype == torch.int64
+            assert torch.equal(x.flatten()[1:], y.flatten()[:-1])
+            targets.extend(y.flatten().tolist())
+    expected = load_tokens(files)[1:].astype(np.int64).tolist()
+    assert targets == expected  # every target once, ranks in order, contiguous
+    assert len(targets) == n - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_path_matches_cpu_path(shards):
+    files, _ = shards
+    kwargs = dict(seq_len=64, batch_seqs=8, seed=4, prefetch=3)
+    with TokenLoader(files, device="cpu", **kwargs) as cpu, TokenLoader(files, device="cuda", **kwargs) as gpu:
+        for _ in range(50):
+            (xc, yc), (xg, yg) = cpu.next_batch(), gpu.next_batch()
+            assert xg.is_cuda and torch.equal(xc, xg.cpu()) and torch.equal(yc, yg.cpu())
+        state = gpu.state_dict()
+        expect = [gpu.next_batch()[0].cpu() for _ in range(5)]
+        gpu.load_state_dict(state)
+        assert all(torch.equal(e, gpu.next_batch()[0].cpu()) for e in expect)

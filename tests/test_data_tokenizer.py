@@ -1,0 +1,127 @@
+"""Text readers, tokenizer training with the published settings, and the exact byte accounting."""
+import gzip
+import json
+import lzma
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from data.tokenizer import ByteLUT, build_byte_lut, count_target_bytes, file_sha256, iter_texts, train_tokenizer
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+OFFICIAL = SHARED / "tokenizers" / "fineweb_1024_bpe.model"
+DEV_VAL = SHARED / "corpus" / "dev_val_fineweb.jsonl.xz"
+OFFICIAL_SHA256 = "4f5e8adb109c66b4886963bc75a7befd73bda36d27fd7102df8e9e66503b0e2a"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def needs_shared():
+    if not (OFFICIAL.is_file() and DEV_VAL.is_file()):
+        pytest.skip(f"shared data absent at {SHARED}")
+
+
+def write_all_kinds(tmp_path, docs):
+    (tmp_path / "a.txt").write_text("\n".join(docs[:2]) + "\n\n", encoding="utf-8")
+    lines = "".join(json.dumps({"text": d, "source": "x"}) + "\n" for d in docs[2:4])
+    (tmp_path / "b.jsonl").write_text(lines, encoding="utf-8")
+    with gzip.open(tmp_path / "c.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"text": docs[4]}) + "\n")
+    with lzma.open(tmp_path / "d.jsonl.xz", "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"text": docs[5]}) + "\n")
+    return [str(tmp_path / n) for n in ["a.txt", "b.jsonl", "c.jsonl.gz", "d.jsonl.xz"]]
+
+
+def test_iter_texts_reads_every_kind_in_order(tmp_path):
+    docs = ["one doc", "two é", "three\nlines", "four", "five ü", "six 六"]
+    assert list(iter_texts(write_all_kinds(tmp_path, docs))) == docs
+
+
+def test_iter_texts_errors_name_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: expected a JSON object with a \"text\""):
+        list(iter_texts([bad]))
+    with pytest.raises(ValueError, match=r"x.csv: unsupported file kind"):
+        list(iter_texts([tmp_path / "x.csv"]))
+
+
+def corpus_lines(n=3000, seed=0):
+    rng = np.random.default_rng(seed)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "ran", "away", "from", "dog", "fast"]
+    return [" ".join(rng.choice(words, size=rng.integers(5, 20))) + f" {rng.integers(0, 99999)}." for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tok")
+    (d / "corpus.txt").write_text("\n".join(corpus_lines()) + "\n")
+    model = train_tokenizer([str(d / "corpus.txt")], 300, str(d / "tok"), num_threads=2)
+    return model
+
+
+def test_trained_tokenizer_has_published_settings(trained):
+    sp = spm.SentencePieceProcessor(model_file=trained)
+    assert sp.get_piece_size() == 300
+    assert [sp.id_to_piece(i) for i in range(4)] == ["<pad>", "<s>", "</s>", "<unk>"]
+    assert (sp.pad_id(), sp.bos_id(), sp.eos_id(), sp.unk_id()) == (0, 1, 2, 3)
+    assert all(sp.is_byte(i) and sp.id_to_piece(i) == f"<0x{i - 4:02X}>" for i in range(4, 260))  # byte_fallback
+    assert sp.encode("中", out_type=str) == ["<0xE4>", "<0xB8>", "<0xAD>"]  # unseen text falls back to bytes
+    assert sp.encode("12345", out_type=str) == ["1", "2", "3", "4", "5"]  # split_digits
+    assert not sp.encode("the cat", out_type=str)[0].startswith("▁")  # add_dummy_prefix=False
+    assert sp.normalize("ﬁ\t x") == "fi▁x"  # nmt_nfkc: NFKC, tabs to spaces, runs of spaces collapsed
+    assert Path(trained).with_suffix(".vocab").is_file()
+    assert not list(Path(trained).parent.glob("*tmp*"))
+
+
+def test_tokenizer_cli(tmp_path):
+    docs = corpus_lines(400, seed=1)
+    paths = write_all_kinds(tmp_path, docs[:6])
+    (tmp_path / "more.txt").write_text("\n".join(docs) + "\n")
+    out = subprocess.run([sys.executable, "-m", "data.tokenizer", "--input", *paths, str(tmp_path / "more.txt"),
+                          "--vocab-size", "320", "--out", str(tmp_path / "cli")],
+                         cwd=ROOT, capture_output=True, text=True, check=True)
+    report = json.loads(out.stdout)
+    assert report["vocab_size"] == 320 and report["sha256"] == file_sha256(tmp_path / "cli.model")
+    bad = subprocess.run([sys.executable, "-m", "data.tokenizer", "--input", *paths, "--vocab-size", "100",
+                          "--out", str(tmp_path / "small")], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode != 0 and "vocab_size 100 is too small" in bad.stderr
+    crowded = subprocess.run([sys.executable, "-m", "data.tokenizer", "--input", *paths, "--vocab-size", "270",
+                              "--out", str(tmp_path / "crowded")], cwd=ROOT, capture_output=True, text=True)
+    assert crowded.returncode != 0 and "SentencePiece training failed" in crowded.stderr
+
+
+def test_official_tokenizer_checksum():
+    needs_shared()
+    assert file_sha256(OFFICIAL) == OFFICIAL_SHA256
+
+
+def test_byte_lut_rules_on_official_tokenizer():
+    needs_shared()
+    sp = spm.SentencePieceProcessor(model_file=str(OFFICIAL))
+    lut = build_byte_lut(str(OFFICIAL))
+    assert isinstance(lut, ByteLUT) and lut.base_bytes.dtype == np.int16 and len(lut.base_bytes) == 1024
+    assert lut.is_boundary[:4].all() and (lut.base_bytes[:4] == 0).all() and not lut.is_boundary[4:].any()
+    assert (lut.base_bytes[4:260] == 1).all() and not lut.has_leading_space[4:260].any()  # <0xNN>: 1 byte
+    the = sp.piece_to_id("▁the")
+    assert lut.base_bytes[the] == 3 and lut.has_leading_space[the]
+    # a leading space counts after a normal token, never after BOS
+    assert count_target_bytes(np.array([1, the]), np.array([the, the]), lut).tolist() == [3, 4]
+
+
+def test_byte_counts_equal_decoded_utf8_on_real_documents():
+    """The audit from GUIDE section 2: BOS + tokens of a document, targets after BOS, sum == decoded bytes."""
+    needs_shared()
+    sp = spm.SentencePieceProcessor(model_file=str(OFFICIAL))
+    lut = build_byte_lut(sp)
+    total_bytes = total_tokens = 0
+    for text in iter_texts([DEV_VAL]):
+        ids = np.array([1] + sp.encode(text))
+        counted = int(count_target_bytes(ids[:-1], ids[1:], lut).sum())
+        decoded = len(sp.decode(ids[1:].tolist()).encode("utf-8"))
+        assert counted == decoded, text[:80]
+        total_bytes, total_tokens = total_bytes + decoded, total_tokens + len(ids) - 1
+    assert 2.3 < total_bytes / total_tokens < 2.6  # FineWeb on sp1024 runs at ~2.4 bytes per token
