@@ -1,0 +1,83 @@
+"""BPB evaluation: window plans score every target once; the BPB formula; sliding vs non-overlapping."""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from data.tokenizer import ByteLUT
+from training.evaluate import evaluate_bpb, plan_windows, target_bytes
+
+
+@pytest.mark.parametrize("n,context,stride", [(1000, 128, 32), (1000, 128, 0), (50, 128, 64), (129, 128, 128),
+                                              (130, 128, 1), (2, 4, 2)])
+def test_window_plan_scores_each_target_once_with_enough_context(n, context, stride):
+    scored = np.zeros(n, dtype=int)
+    for w in plan_windows(n, context, stride):
+        assert 0 <= w.start and w.start + w.length <= n - 1 and w.length <= context
+        targets = np.arange(w.start + 1, w.start + w.length + 1)[w.score_from:]
+        scored[targets] += 1
+        if w.start > 0:  # every scored target sees at least context - stride tokens
+            assert w.score_from >= context - (stride or context)
+    assert scored[0] == 0 and (scored[1:] == 1).all()
+
+
+def test_window_plan_rejects_bad_stride():
+    with pytest.raises(ValueError, match="stride"):
+        plan_windows(100, 64, 65)
+
+
+def simple_lut(vocab: int) -> ByteLUT:
+    """ids 0-3 control (0 bytes, boundaries); even ids: 2 bytes; odd ids: '▁x' (1 byte + space)."""
+    base = np.where(np.arange(vocab) % 2 == 0, 2, 1).astype(np.int16)
+    base[:4] = 0
+    space = (np.arange(vocab) % 2 == 1) & (np.arange(vocab) >= 4)
+    boundary = np.arange(vocab) < 4
+    return ByteLUT(base_bytes=base, has_leading_space=space, is_boundary=boundary)
+
+
+def test_target_bytes_adds_leading_space_except_after_a_boundary():
+    lut = simple_lut(16)
+    tokens = torch.tensor([1, 5, 5, 6, 1, 7])
+    # targets: 5 after BOS -> 1 (no space), 5 after 5 -> 2, 6 -> 2, BOS -> 0, 7 after BOS -> 1
+    assert target_bytes(tokens, lut).tolist() == [1, 2, 2, 0, 1]
+
+
+class Bigram(nn.Module):
+    """A model whose prediction depends on the previous token only: window context cannot matter."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = nn.Parameter(torch.randn(vocab, vocab))
+
+    def token_nll(self, x, y):
+        logp = torch.log_softmax(self.table[x], dim=-1)
+        return -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+
+
+def test_bpb_matches_direct_computation_in_every_window_mode():
+    vocab = 16
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(4, vocab, size=777).astype(np.uint16)
+    tokens[[0, 300, 500]] = 1
+    lut, model = simple_lut(vocab), Bigram(vocab)
+    t = torch.from_numpy(tokens.astype(np.int64))
+    nll = model.token_nll(t[:-1], t[1:]).double().sum().item()
+    nbytes = int(target_bytes(t, lut).sum())
+    for context, stride in [(64, 16), (64, 0), (1000, 0), (32, 1)]:
+        r = evaluate_bpb(model, tokens, lut, context=context, stride=stride, batch_seqs=7, device=torch.device("cpu"))
+        assert r["tokens"] == 776 and r["bytes"] == nbytes
+        assert r["val_loss"] == pytest.approx(nll / 776, rel=1e-9)
+        assert r["val_bpb"] == pytest.approx(nll / math.log(2) / nbytes, rel=1e-9)
+
+
+def test_uniform_model_scores_log2_vocab_bits_per_token():
+    class Uniform(nn.Module):
+        def token_nll(self, x, y):
+            return torch.full(y.shape, math.log(32.0))
+
+    tokens = np.random.default_rng(1).integers(4, 32, size=200).astype(np.uint16)
+    r = evaluate_bpb(Uniform(), tokens, simple_lut(32), context=16, stride=8, batch_seqs=4, device=torch.device("cpu"))
+    assert r["val_bpb"] == pytest.approx(5.0 * r["tokens"] / r["bytes"])

@@ -1,0 +1,132 @@
+"""Bits-per-byte evaluation: exact byte accounting, sliding-window or non-overlapping, sharded over ranks.
+
+BPB = (sum of target-token NLL in nats) / ln 2 / (UTF-8 bytes those targets decode to).
+
+Scoring is legal by construction: every target token j (predicting tokens[j] from tokens[:j]) is
+scored exactly once, by one window that contains only tokens before it, with a full softmax.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from data.tokenizer import ByteLUT
+
+
+@dataclass(frozen=True)
+class Window:
+    start: int        # first input token
+    score_from: int   # first scored position inside the window
+    length: int       # input tokens in the window (targets are the next `length` tokens)
+
+
+def plan_windows(n_tokens: int, context: int, stride: int) -> list[Window]:
+    """Windows that score targets 1..n_tokens-1 exactly once.
+
+    The first window scores all its positions; every later window ends `stride` targets further and
+    scores only those new targets, each with (context - stride) or more tokens of context. stride=0
+    means non-overlapping windows of `context`.
+    """
+    if context < 1:
+        raise ValueError(f"eval.context must be >= 1, got {context}")
+    stride = stride or context
+    if not 0 < stride <= context:
+        raise ValueError(f"eval.stride={stride} must be in (0, context={context}]; 0 means non-overlapping")
+    n_targets = n_tokens - 1
+    windows, done = [], 0
+    while done < n_targets:
+        end = min(done + (context if done == 0 else stride), n_targets)
+        start = max(0, end - context)
+        windows.append(Window(start=start, score_from=done - start, length=end - start))
+        done = end
+    return windows
+
+
+def target_bytes(tokens: torch.Tensor, lut: ByteLUT) -> torch.Tensor:
+    """Bytes of targets tokens[1:] given their previous tokens (GUIDE §2), int64 [n-1]."""
+    base = torch.as_tensor(lut.base_bytes, dtype=torch.int64)
+    space = torch.as_tensor(lut.has_leading_space, dtype=torch.bool)
+    boundary = torch.as_tensor(lut.is_boundary, dtype=torch.bool)
+    prev, tgt = tokens[:-1].long(), tokens[1:].long()
+    return base[tgt] + (space[tgt] & ~boundary[prev]).long()
+
+
+def audit_bytes(tokens: np.ndarray, sp, lut: ByteLUT, bos_id: int = 1) -> tuple[int, int]:
+    """(counted bytes, UTF-8 bytes of the decoded text) over the documents in `tokens`.
+
+    Both must match: a byte-accounting bug inflates or deflates BPB silently.
+    """
+    counted = int(target_bytes(torch.from_numpy(tokens.astype(np.int64)), lut).sum())
+    decoded = 0
+    starts = np.flatnonzero(tokens == bos_id).tolist() + [len(tokens)]
+    if starts[0] != 0:  # text before the first BOS is a document too
+        starts.insert(0, 0)
+    for a, b in zip(starts[:-1], starts[1:]):
+        ids = [int(t) for t in tokens[a:b] if t != bos_id]
+        decoded += len(sp.decode(ids).encode("utf-8"))
+    return counted, decoded
+
+
+@torch.no_grad()
+def evaluate_bpb(
+    model: torch.nn.Module,
+    tokens: np.ndarray,
+    lut: ByteLUT,
+    *,
+    context: int,
+    stride: int,
+    batch_seqs: int,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> dict:
+    """Score `tokens` (uint16 1-D) with `model.token_nll`; windows are split across ranks."""
+    windows = plan_windows(len(tokens), context, stride)
+    mine = windows[rank * len(windows) // world_size:(rank + 1) * len(windows) // world_size]
+    all_tokens = torch.from_numpy(tokens.astype(np.int64))
+    all_bytes = target_bytes(all_tokens, lut).to(torch.int32)  # bytes of target j at index j-1
+    nll_sum = torch.zeros((), dtype=torch.float64, device=device)
+    n_scored = torch.zeros((), dtype=torch.int64, device=device)
+    n_bytes = torch.zeros((), dtype=torch.int64, device=device)
+    amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+    was_training = model.training
+    model.eval()
+    # Windows of equal length batch together (all but the first and the last usually share one length).
+    groups: dict[int, list[Window]] = {}
+    for w in mine:
+        groups.setdefault(w.length, []).append(w)
+    for length, ws in groups.items():
+        offsets = torch.arange(length + 1)
+        for i in range(0, len(ws), batch_seqs):
+            chunk = ws[i:i + batch_seqs]
+            starts = torch.tensor([w.start for w in chunk])
+            seqs = all_tokens[starts[:, None] + offsets]
+            x, y = seqs[:, :-1].to(device, non_blocking=True), seqs[:, 1:].to(device, non_blocking=True)
+            score_from = torch.tensor([w.score_from for w in chunk], device=device)
+            mask = offsets[:-1].to(device)[None, :] >= score_from[:, None]
+            byte_counts = all_bytes[starts[:, None] + offsets[:-1]].to(device, non_blocking=True)
+            with amp:
+                nll = model.token_nll(x, y).double()
+            nll_sum += nll[mask].sum()
+            n_scored += mask.sum()
+            n_bytes += byte_counts[mask].sum()
+    model.train(was_training)
+    if world_size > 1:
+        for t in (nll_sum, n_scored, n_bytes):
+            dist.all_reduce(t)
+    expected = len(tokens) - 1
+    if int(n_scored) != expected:
+        raise RuntimeError(f"evaluation scored {int(n_scored)} targets, expected {expected}: window plan bug")
+    val_loss = float(nll_sum) / expected
+    return {
+        "val_loss": val_loss,
+        "val_bpb": float(nll_sum) / math.log(2) / int(n_bytes),
+        "tokens": expected,
+        "bytes": int(n_bytes),
+    }
