@@ -1,7 +1,15 @@
-"""Model hyper-parameters (a typed dataclass; configs/*.toml fill it under [model])."""
+"""Model hyper-parameters (a typed dataclass; configs/*.toml fill it under [model]).
+
+The record-architecture options (GUIDE §3: XSA, partial RoPE, per-layer norm scale, U-Net skips,
+SmearGate, BigramHash, value embeddings) all default to OFF, which is the plain model bit for bit.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# BigramHash keys are prev * (vocab_size + 1) + cur, hashed in int64 without overflow while keys stay
+# below 2**31 (see model/features.py::bigram_bucket).
+MAX_BIGRAM_VOCAB = 46339
 
 
 @dataclass
@@ -16,9 +24,18 @@ class ModelConfig:
     sinkhorn_iters: int = 20           # Sinkhorn-Knopp rounds for H_res
     mhc_alpha_init: float = 0.01       # initial alpha_pre/post/res
     rope_base: float = 10000.0
+    rope_dims: int = 0                 # partial RoPE: rotate the first rope_dims dims of each head; 0 = all
     logit_softcap: float = 30.0        # tanh softcap on logits; 0 disables
     qk_gain_init: float = 1.5          # learned per-head gain after QK-RMSNorm
     embed_init_std: float = 0.005      # tied embedding init
+    xsa_layers: int = 0                # XSA (remove own-value component from head outputs) on the last k layers
+    layer_norm_scale: bool = False     # scale block l's sublayer norms by 1/sqrt(l+1)
+    unet_skips: bool = False           # encoder/decoder skips with learned per-channel weights
+    smear_gate: bool = False           # x_t <- x_t + sigmoid(g) * (x_{t-1} - x_t), never across a BOS
+    bigram_buckets: int = 0            # BigramHash table rows; 0 disables
+    bigram_dim: int = 112              # BigramHash table width (projected to d_model)
+    value_embed_layers: int = 0        # value embeddings added to V on the last k layers; 0 disables
+    value_embed_dim: int = 128         # shared value-embedding table width (projected to the KV width)
     mhc_kernels: bool = False          # Triton mHC kernels instead of the PyTorch reference
     mlp_kernel: bool = False           # Triton fused LeakyReLU^2 MLP instead of the PyTorch reference
 
@@ -27,5 +44,35 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def rotary_dims(self) -> int:
+        """Head dims that RoPE rotates (rope_dims, or the whole head when 0)."""
+        return self.rope_dims or self.head_dim
+
+    @property
     def mlp_hidden(self) -> int:
         return int(round(self.mlp_mult * self.d_model))
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field for options the model cannot build."""
+        hd = self.head_dim
+        if self.rope_dims < 0 or self.rope_dims > hd or self.rope_dims % 2:
+            raise ValueError(f"model.rope_dims={self.rope_dims} must be even and in [0, head_dim={hd}] "
+                             "(RoPE rotates pairs of dims; 0 rotates the whole head, the record uses 16)")
+        for name in ("xsa_layers", "value_embed_layers"):
+            k = getattr(self, name)
+            if not 0 <= k <= self.n_layers:
+                raise ValueError(f"model.{name}={k} must be in [0, n_layers={self.n_layers}] "
+                                 "(it counts the last layers that use the feature; 0 disables it)")
+        if self.bigram_buckets < 0 or self.bigram_dim < 1 or self.value_embed_dim < 1:
+            raise ValueError(f"model.bigram_buckets={self.bigram_buckets} must be >= 0, model.bigram_dim="
+                             f"{self.bigram_dim} and model.value_embed_dim={self.value_embed_dim} >= 1")
+        if self.bigram_buckets and self.vocab_size > MAX_BIGRAM_VOCAB:
+            raise ValueError(f"model.bigram_buckets>0 supports vocab_size <= {MAX_BIGRAM_VOCAB}, got "
+                             f"{self.vocab_size} (hint: the bigram key must fit the int64 hash)")
+        if self.unet_skips and self.n_layers < 2:
+            raise ValueError(f"model.unet_skips needs n_layers >= 2 (got {self.n_layers}): "
+                             "one encoder and one decoder block")

@@ -4,6 +4,20 @@ Forward with mHC, per token (GUIDE §4): the n streams start as copies of the em
 sublayer F (attention, MLP) reads u = Σ_i H_pre[i]·x_i and writes x'_i = Σ_j H_res[i,j]·x_j +
 H_post[i]·F(u); the head reads a learned combination of the streams. The apply of sublayer l and
 the pre-mix of sublayer l+1 are one call (`post_pre`), the point where the kernels fuse.
+
+Record options (model/config.py; all off by default): the input embedding may add BigramHash and
+pass through SmearGate; attention may use XSA, partial RoPE and value embeddings (one shared table,
+a projection per layer); sublayer norms may be scaled per block; U-Net skips link encoder and
+decoder blocks. What a skip carries depends on the residual wiring:
+  * n_streams = 1: the residual stream x after encoder block i is added (times its learned weight)
+    to x before the mirror decoder block, and so stays in the stream.
+  * mHC: adding to the n streams would cost n*C reads/writes per token and a change to the fused
+    kernel calls; instead the skip carries the attention INPUT u of encoder block i (C values per
+    token, already kept for the backward pass) and is added to the attention input u of the mirror
+    decoder block, between the kernel calls (`ops.pre/post/post_pre` are unchanged). Taking the
+    input rather than the block's output also keeps the first decoder block's skip from being its
+    own input again (the last encoder block's output is exactly what it reads next), and gives the
+    last decoder block the embedding itself.
 """
 from __future__ import annotations
 
@@ -12,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.config import ModelConfig
+from model.features import BigramHash, SmearGate, UNetSkips
 from model.layers import MLP, Attention, RMSNorm, Sublayer
 from model.mhc import MHCParams, mhc_ops
 
@@ -19,53 +34,101 @@ from model.mhc import MHCParams, mhc_ops
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        cfg.validate()
         self.cfg = cfg
         C, n = cfg.d_model, cfg.n_streams
         self.embed = nn.Embedding(cfg.vocab_size, C)
         self.sublayers = nn.ModuleList()
-        for _ in range(cfg.n_layers):
-            self.sublayers.append(Sublayer(Attention(cfg), C))
-            self.sublayers.append(Sublayer(MLP(cfg), C))
+        for layer in range(cfg.n_layers):
+            scale = (layer + 1) ** -0.5 if cfg.layer_norm_scale else 1.0
+            self.sublayers.append(Sublayer(Attention(cfg, layer), C, scale))
+            self.sublayers.append(Sublayer(MLP(cfg), C, scale))
         if n > 1:
             self.mhc = nn.ModuleList(MHCParams(n, C, cfg.mhc_alpha_init) for _ in self.sublayers)
             self.readout = nn.Parameter(torch.full((n,), 1.0 / n))  # head reads Σ_i w_i x_i; starts as the mean
             self.ops = mhc_ops(cfg.mhc_kernels)
         self.final_norm = RMSNorm(C)
+        # Optional modules are only created when on, so the default model is the plain one, parameter
+        # for parameter and random draw for random draw.
+        self.bigram = (BigramHash(cfg.bigram_buckets, cfg.bigram_dim, C, cfg.vocab_size)
+                       if cfg.bigram_buckets else None)
+        self.smear = SmearGate(C) if cfg.smear_gate else None
+        self.value_embed = nn.Embedding(cfg.vocab_size, cfg.value_embed_dim) if cfg.value_embed_layers else None
+        self.unet = UNetSkips(cfg.n_layers, C) if cfg.unet_skips else None
         self.reset_parameters()
 
     # -- init ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Orthogonal init for input-side matrices, zero for output projections (so every sublayer
-        starts as the identity map of the residual stream), small normal for the tied embedding."""
+        """Orthogonal init for input-side matrices, zero for the matrices that write into the residual
+        stream or into V (so every sublayer starts as the identity map of the residual stream and the
+        value embeddings start without effect), small normal for the tied embedding.
+
+        Value-embedding table: N(0, 1), so its projection (trained by Muon like every block matrix)
+        sees inputs of unit RMS like the RMS-normed inputs of the other matrices. BigramHash: the
+        table starts at zero and the projection orthogonal (both zero would never get a gradient).
+        """
         nn.init.normal_(self.embed.weight, std=self.cfg.embed_init_std)
         for sub in self.sublayers:
             body = sub.body
             if isinstance(body, Attention):
                 nn.init.orthogonal_(body.qkv.weight)
                 nn.init.zeros_(body.proj.weight)
+                if body.value_proj is not None:
+                    nn.init.zeros_(body.value_proj.weight)
             else:
                 nn.init.orthogonal_(body.up.weight)
                 nn.init.zeros_(body.down.weight)
+        if self.bigram is not None:
+            nn.init.zeros_(self.bigram.table.weight)
+            nn.init.orthogonal_(self.bigram.proj.weight)
+        if self.value_embed is not None:
+            nn.init.normal_(self.value_embed.weight, std=1.0)
 
     def param_groups(self) -> dict[str, list[nn.Parameter]]:
-        """Optimizer groups: Muon for block matrices, AdamW for the embedding and everything small."""
-        matrices = [m.weight for m in self.sublayers.modules() if isinstance(m, nn.Linear)]
-        ids = {id(p) for p in matrices} | {id(self.embed.weight)}
+        """Optimizer groups: Muon for every nn.Linear weight (block matrices and the feature
+        projections), AdamW for every nn.Embedding table (token, bigram, value) and everything small."""
+        matrices = [m.weight for m in self.modules() if isinstance(m, nn.Linear)]
+        embeds = [m.weight for m in self.modules() if isinstance(m, nn.Embedding)]
+        ids = {id(p) for p in matrices + embeds}
         scalars = [p for p in self.parameters() if id(p) not in ids]
-        return {"matrix": matrices, "embed": [self.embed.weight], "scalar": scalars}
+        return {"matrix": matrices, "embed": embeds, "scalar": scalars}
 
     # -- forward ------------------------------------------------------------------------------------
+    def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """Input embedding [B, T, C]: token embedding (+ BigramHash), then SmearGate."""
+        x = self.embed(idx)
+        if self.bigram is not None:
+            x = x + self.bigram(idx)
+        if self.smear is not None:
+            x = self.smear(x, idx)
+        return x
+
+    def _extra(self, l: int, value_embed: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """Extra inputs of sublayer l: the value embedding for attention layers that project it."""
+        body = self.sublayers[l].body
+        return (value_embed,) if isinstance(body, Attention) and body.value_proj is not None else ()
+
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """Final hidden state [B, T, C] before the final norm."""
-        x = self.embed(idx)
+        x = self.embed_tokens(idx)
+        value_embed = self.value_embed(idx) if self.value_embed is not None else None
         if self.cfg.n_streams == 1:
-            for sub in self.sublayers:
-                x = x + sub(x)
-            return x
-        return self._hidden_mhc(x)
+            return self._hidden_plain(x, value_embed)
+        return self._hidden_mhc(x, value_embed)
 
-    def _hidden_mhc(self, x: torch.Tensor) -> torch.Tensor:
+    def _hidden_plain(self, x: torch.Tensor, value_embed: torch.Tensor | None) -> torch.Tensor:
+        saved: list[torch.Tensor] = []  # U-Net: residual stream after each encoder block
+        for l, sub in enumerate(self.sublayers):
+            block = l // 2
+            if self.unet is not None and l % 2 == 0:
+                x = self.unet.add(x, block, saved)
+            x = x + sub(x, *self._extra(l, value_embed))
+            if self.unet is not None and l % 2 == 1 and self.unet.is_encoder(block):
+                saved.append(x)
+        return x
+
+    def _hidden_mhc(self, x: torch.Tensor, value_embed: torch.Tensor | None) -> torch.Tensor:
         n, it = self.cfg.n_streams, self.cfg.sinkhorn_iters
         dev = x.device.type
         # The stream state lives in the compute dtype (bf16 under autocast): it is the memory traffic.
@@ -73,9 +136,14 @@ class GPT(nn.Module):
         streams = x.to(dtype).unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]).contiguous()
         p0 = self.mhc[0]
         u, h_post, h_res = self.ops.pre(streams, p0.phi, p0.alpha, p0.bias, it)
+        saved: list[torch.Tensor] = []  # U-Net: attention input u of each encoder block (see module doc)
         last = len(self.sublayers) - 1
         for l, sub in enumerate(self.sublayers):
-            y = sub(u).to(dtype)
+            if self.unet is not None and l % 2 == 0:
+                if self.unet.is_encoder(l // 2):
+                    saved.append(u)
+                u = self.unet.add(u, l // 2, saved)
+            y = sub(u, *self._extra(l, value_embed)).to(dtype)
             if l < last:
                 p = self.mhc[l + 1]
                 streams, u, h_post, h_res = self.ops.post_pre(streams, h_res, h_post, y, p.phi, p.alpha, p.bias, it)

@@ -1,4 +1,5 @@
-"""Transformer sublayers: RMSNorm, rotary embedding, GQA attention, LeakyReLU(0.5)^2 MLP.
+"""Transformer sublayers: RMSNorm, (partial) rotary embedding, GQA attention with optional XSA and
+value embeddings, LeakyReLU(0.5)^2 MLP.
 
 Each sublayer takes the (pre-norm) residual input u [B, T, C] and returns F(u) [B, T, C]; the
 residual wiring (plain or mHC) lives in model/gpt.py.
@@ -36,30 +37,71 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out.to(x.dtype)
 
 
-class Attention(nn.Module):
-    """Causal GQA attention with QK-RMSNorm (learned per-head gain on q) and RoPE, via SDPA."""
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dims: int) -> torch.Tensor:
+    """Rotate the first `dims` dims of each head (cos/sin built for `dims`); the rest pass through.
 
-    def __init__(self, cfg: ModelConfig):
+    The unrotated dims let attention match on content independently of position (partial RoPE).
+    """
+    if dims == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    return torch.cat([apply_rotary(x[..., :dims], cos, sin), x[..., dims:]], dim=-1)
+
+
+def remove_self_value(y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """XSA: y_h <- y_h - (y_h . v̂) v̂, v̂ the token's own normalized value in the KV head that query
+    head h reads (GQA: head h reads KV head h // (H / H_kv), as in SDPA's enable_gqa).
+
+    y [B, H, T, D], v [B, H_kv, T, D]. Attention output is a convex mix of values that always
+    includes the token's own; removing that direction leaves the heads only what the *context* adds.
+    Computed in fp32 so the result is orthogonal to v̂ to fp32 precision before the cast back.
+    """
+    B, H, T, D = y.shape
+    h_kv = v.shape[1]
+    yg = y.float().reshape(B, h_kv, H // h_kv, T, D)
+    v_hat = F.normalize(v.float(), dim=-1).unsqueeze(2)
+    yg = yg - (yg * v_hat).sum(dim=-1, keepdim=True) * v_hat
+    return yg.reshape(B, H, T, D).to(y.dtype)
+
+
+class Attention(nn.Module):
+    """Causal GQA attention with QK-RMSNorm (learned per-head gain on q) and (partial) RoPE, via SDPA.
+
+    `layer` (the block index) decides the per-layer options: XSA on the last cfg.xsa_layers blocks,
+    and on the last cfg.value_embed_layers blocks a zero-initialized projection `value_proj` of the
+    shared value embedding, added to V.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.rope_base = cfg.rope_base
-        kv_dim = cfg.n_kv_heads * cfg.head_dim
+        self.rope_base, self.rotary_dims = cfg.rope_base, cfg.rotary_dims
+        self.xsa = layer >= cfg.n_layers - cfg.xsa_layers
+        kv_dim = cfg.kv_dim
         self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * kv_dim, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.q_gain = nn.Parameter(torch.full((cfg.n_heads,), cfg.qk_gain_init))
+        has_ve = layer >= cfg.n_layers - cfg.value_embed_layers
+        self.value_proj = nn.Linear(cfg.value_embed_dim, kv_dim, bias=False) if has_ve else None
 
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, value_embed: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = u.shape
         kv_dim = self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(u).split([C, kv_dim, kv_dim], dim=-1)
+        if self.value_proj is not None:
+            if value_embed is None:
+                raise ValueError("this attention layer has value embeddings: pass value_embed [B, T, value_embed_dim]")
+            v = v + self.value_proj(value_embed).to(v.dtype)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = F.rms_norm(q, (self.head_dim,)) * self.q_gain.to(q.dtype).view(1, -1, 1, 1)
         k = F.rms_norm(k, (self.head_dim,))
-        cos, sin = rotary_cos_sin(T, self.head_dim, self.rope_base, u.device)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cos, sin = rotary_cos_sin(T, self.rotary_dims, self.rope_base, u.device)
+        q = apply_partial_rotary(q, cos, sin, self.rotary_dims)
+        k = apply_partial_rotary(k, cos, sin, self.rotary_dims)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        if self.xsa:
+            y = remove_self_value(y, v)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -83,12 +125,21 @@ class MLP(nn.Module):
 
 
 class Sublayer(nn.Module):
-    """Pre-norm wrapper: F(u) = body(RMSNorm(u))."""
+    """Pre-norm wrapper: F(u) = body(norm_scale * RMSNorm(u)).
 
-    def __init__(self, body: nn.Module, dim: int):
+    norm_scale is a constant: 1, or 1/sqrt(layer+1) with model.layer_norm_scale, which shrinks what
+    deep blocks write early in training (their output projections then grow under the optimizer).
+    Extra inputs (the value embedding) are passed through to the body.
+    """
+
+    def __init__(self, body: nn.Module, dim: int, norm_scale: float = 1.0):
         super().__init__()
         self.norm = RMSNorm(dim)
         self.body = body
+        self.norm_scale = norm_scale
 
-    def forward(self, u: torch.Tensor) -> torch.Tensor:
-        return self.body(self.norm(u))
+    def forward(self, u: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+        h = self.norm(u)
+        if self.norm_scale != 1.0:
+            h = h * self.norm_scale
+        return self.body(h, *extra)
