@@ -44,9 +44,24 @@ def kernels_used_for(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and mlp_triton.kernels_interpreted() and t.dtype in _INTERPRETER_DTYPES
 
 
-def persistent_schedule_for(device: torch.device) -> bool:
-    """Persistent (one program per SM) schedule on Hopper, tiled elsewhere."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+SCHEDULES = ("tiled", "persistent", "tma")
+
+
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need 16-byte aligned bases and row strides and a unit last stride."""
+    for t in tensors:
+        row_stride = max(t.stride(0), t.stride(1))
+        if min(t.stride(0), t.stride(1)) != 1 or t.data_ptr() % 16 or (row_stride * t.element_size()) % 16:
+            return False
+    return True
+
+
+def default_schedule(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aux: torch.Tensor) -> str:
+    """Tensor-descriptor kernel on Hopper and newer when the layouts allow it; tiled pointer kernel elsewhere."""
+    if a.device.type == "cuda" and torch.cuda.get_device_capability(a.device) >= (9, 0) \
+            and tma_compatible(a, b, out, aux):
+        return "tma"
+    return "tiled"
 
 
 @functools.cache
@@ -54,33 +69,52 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _set_tma_allocator() -> None:
+    # Device-side tensor descriptors live in a small global scratch buffer that Triton asks the
+    # framework for; Inductor installs its own allocator for the launches it generates.
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
+
+
 def launch_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aux: torch.Tensor, epilogue: int,
-                persistent_programs: int | None) -> None:
+                schedule: str, programs: int | None = None) -> None:
     """out (and aux) [M, N] from a [M, K] · b [K, N] with the given `mlp_triton.EPILOGUE_*`.
 
-    `persistent_programs`: None for one program per tile, else the number of looping programs.
-    out and aux must be contiguous; a and b may have any strides (b is usually a transposed view).
+    schedule: "tiled" (one program per tile), "persistent" or "tma" (`programs` looping programs,
+    default one per SM). out and aux must be contiguous; for "tiled"/"persistent" a and b may have any
+    strides (b is usually a transposed view); "tma" needs `tma_compatible` layouts.
     """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"launch_gemm: schedule must be one of {SCHEDULES}, got {schedule!r}")
     M, K = a.shape
     N = b.shape[1]
     if M == 0 or N == 0:
         return
-    args = (a, b, out, aux, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0))
     ieee_fp32 = a.dtype == torch.float32
-    if persistent_programs is None:
+    if schedule == "tiled":
         def grid(meta):
             return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-        wrap_triton(mlp_triton.mlp_gemm_kernel)[grid](*args, EPILOGUE=epilogue, IEEE_FP32=ieee_fp32)
-    else:
-        wrap_triton(mlp_triton.mlp_gemm_persistent_kernel)[(persistent_programs,)](
-            *args, persistent_programs, EPILOGUE=epilogue, IEEE_FP32=ieee_fp32)
-
-
-def _default_programs(device: torch.device) -> int | None:
-    if not persistent_schedule_for(device):
-        return None
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        wrap_triton(mlp_triton.mlp_gemm_kernel)[grid](
+            a, b, out, aux, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
+            EPILOGUE=epilogue, IEEE_FP32=ieee_fp32)
+        return
+    if schedule == "tma" and not tma_compatible(a, b, out, aux):
+        raise ValueError("launch_gemm: the tma schedule needs 16-byte aligned, unit-last-stride tensors; "
+                         "hint: use default_schedule() to fall back to the tiled kernel")
+    if programs is None:
+        programs = _sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device())
+    if schedule == "persistent":
+        wrap_triton(mlp_triton.mlp_gemm_persistent_kernel)[(programs,)](
+            a, b, out, aux, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
+            programs, EPILOGUE=epilogue, IEEE_FP32=ieee_fp32)
+        return
+    if a.device.type == "cuda":
+        _set_tma_allocator()
+    b_k_major = b.stride(0) == 1 and b.stride(1) != 1  # b is a transposed view of a row-major [N, K]
+    wrap_triton(mlp_triton.mlp_gemm_tma_kernel)[(programs,)](
+        a, b, out, aux, M, N, K, a.stride(0), b.stride(1) if b_k_major else b.stride(0), out.stride(0),
+        programs, EPILOGUE=epilogue, B_K_MAJOR=b_k_major, IEEE_FP32=ieee_fp32)
 
 
 @triton_op("mhcgolf::mlp_forward", mutates_args=())
@@ -91,7 +125,8 @@ def mlp_forward(x2d: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
         hidden = w_up.shape[0]
         post = x2d.new_empty((x2d.shape[0], hidden))
         act_grad = x2d.new_empty((x2d.shape[0], hidden))
-        launch_gemm(x2d, w_up.t(), post, act_grad, mlp_triton.EPILOGUE_ACTIVATION, _default_programs(x2d.device))
+        b = w_up.t()
+        launch_gemm(x2d, b, post, act_grad, mlp_triton.EPILOGUE_ACTIVATION, default_schedule(x2d, b, post, act_grad))
     else:
         pre = F.linear(x2d, w_up)
         post, act_grad = leaky_relu_sq(pre), leaky_relu_sq_grad(pre)
@@ -105,7 +140,7 @@ def mlp_dpre(dy: torch.Tensor, w_down: torch.Tensor, act_grad: torch.Tensor) -> 
         return torch.mm(dy, w_down) * act_grad
     act_grad = act_grad.contiguous()  # the epilogue indexes act_grad and dpre with one row stride
     dpre = torch.empty_like(act_grad)
-    launch_gemm(dy, w_down, dpre, act_grad, mlp_triton.EPILOGUE_GRAD, _default_programs(dy.device))
+    launch_gemm(dy, w_down, dpre, act_grad, mlp_triton.EPILOGUE_GRAD, default_schedule(dy, w_down, dpre, act_grad))
     return dpre
 
 

@@ -40,6 +40,8 @@ def _gpu_configs() -> list[triton.Config]:
         cfg(128, 128, 64, 3, 8),
         cfg(256, 128, 64, 3, 8),
         cfg(64, 256, 64, 4, 4),
+        cfg(128, 256, 128, 2, 8),
+        cfg(128, 128, 128, 3, 8),
     ]
 
 
@@ -50,6 +52,24 @@ def _interpreter_configs() -> list[triton.Config]:
 
 def _configs() -> list[triton.Config]:
     return _interpreter_configs() if triton.knobs.runtime.interpret else _gpu_configs()
+
+
+def _tma_configs() -> list[triton.Config]:
+    """Tiles for the tensor-descriptor kernel; EPILOGUE_SPLIT column chunks bound the shared memory
+    that staging the two output tiles for the TMA stores needs."""
+    if triton.knobs.runtime.interpret:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "EPILOGUE_SPLIT": 2})]
+
+    def cfg(bm: int, bn: int, bk: int, stages: int, warps: int, split: int) -> triton.Config:
+        return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPILOGUE_SPLIT": split},
+                             num_stages=stages, num_warps=warps)
+    return [
+        cfg(128, 256, 64, 3, 8, 2),
+        cfg(128, 128, 64, 4, 8, 1),
+        cfg(128, 128, 64, 4, 4, 1),
+        cfg(256, 128, 64, 3, 8, 2),
+        cfg(128, 256, 64, 3, 8, 4),
+    ]
 
 
 # Tuned per problem shape, epilogue and (implicitly) dtype; results persist in Triton's cache dir.
@@ -137,6 +157,76 @@ def mlp_gemm_persistent_kernel(a_ptr, b_ptr, out_ptr, aux_ptr, M, N, K,
         acc = _tile_product(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                             pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, IEEE_FP32)
         _epilogue(acc, out_ptr, aux_ptr, M, N, stride_cm, pid_m, pid_n, BLOCK_M, BLOCK_N, EPILOGUE)
+
+
+@triton.jit
+def _tma_epilogue(acc, out_desc, aux_desc, off_m, off_n, EPILOGUE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    if EPILOGUE == _ACTIVATION:
+        act_grad = tl.where(acc > 0, 2.0 * acc, 0.5 * acc)
+        out_desc.store([off_m, off_n], (0.5 * act_grad * acc).to(OUT_DTYPE))
+        aux_desc.store([off_m, off_n], act_grad.to(OUT_DTYPE))
+    else:
+        act_grad = aux_desc.load([off_m, off_n]).to(tl.float32)
+        out_desc.store([off_m, off_n], (acc * act_grad).to(OUT_DTYPE))
+
+
+@triton.autotune(configs=_tma_configs(), key=_AUTOTUNE_KEY, cache_results=True)
+@triton.jit
+def mlp_gemm_tma_kernel(a_ptr, b_ptr, out_ptr, aux_ptr, M, N, K, stride_am, stride_b, stride_cm, NUM_PROGRAMS,
+                        EPILOGUE: tl.constexpr, B_K_MAJOR: tl.constexpr, IEEE_FP32: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr):
+    """Persistent schedule with tensor descriptors (TMA on Hopper): tile loads and the epilogue's
+    stores are bulk copies, bounds handled by the descriptors (zero fill on load, clipped stores).
+    B_K_MAJOR: b_ptr holds B transposed, [N, K] row-major (W_up); else B itself, [K, N] row-major."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if B_K_MAJOR:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
+    SUB_N: tl.constexpr = BLOCK_N // EPILOGUE_SPLIT
+    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, SUB_N])
+    aux_desc = tl.make_tensor_descriptor(aux_ptr, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, SUB_N])
+    out_dtype: tl.constexpr = out_ptr.dtype.element_ty
+    num_tiles = ((M + BLOCK_M - 1) // BLOCK_M) * ((N + BLOCK_N - 1) // BLOCK_N)
+    # A second tile counter for the epilogue keeps the flattened loop's prologue and epilogue independent
+    # (the pattern of Triton's persistent-matmul tutorial).
+    epilogue_tile = tl.program_id(0) - NUM_PROGRAMS
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_coords(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for k in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+            a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            if B_K_MAJOR:
+                b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+            else:
+                b = b_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
+            if IEEE_FP32:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        epilogue_tile += NUM_PROGRAMS
+        pid_m, pid_n = _tile_coords(epilogue_tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        if EPILOGUE_SPLIT == 1:
+            _tma_epilogue(acc, out_desc, aux_desc, off_m, off_n, EPILOGUE, out_dtype)
+        elif EPILOGUE_SPLIT == 2:
+            acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, SUB_N)), (0, 2, 1)))
+            _tma_epilogue(acc0, out_desc, aux_desc, off_m, off_n, EPILOGUE, out_dtype)
+            _tma_epilogue(acc1, out_desc, aux_desc, off_m, off_n + SUB_N, EPILOGUE, out_dtype)
+        else:
+            tl.static_assert(EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT must be 1, 2 or 4")
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, 2, SUB_N)), (0, 3, 2, 1))
+            left, right = tl.split(halves)  # columns [0, BLOCK_N/2) and [BLOCK_N/2, BLOCK_N)
+            acc0, acc1 = tl.split(left)
+            acc2, acc3 = tl.split(right)
+            _tma_epilogue(acc0, out_desc, aux_desc, off_m, off_n, EPILOGUE, out_dtype)
+            _tma_epilogue(acc1, out_desc, aux_desc, off_m, off_n + SUB_N, EPILOGUE, out_dtype)
+            _tma_epilogue(acc2, out_desc, aux_desc, off_m, off_n + 2 * SUB_N, EPILOGUE, out_dtype)
+            _tma_epilogue(acc3, out_desc, aux_desc, off_m, off_n + 3 * SUB_N, EPILOGUE, out_dtype)
 
 
 def kernels_interpreted() -> bool:

@@ -2,10 +2,11 @@
 
     python scripts/bench_mlp.py [--tokens 98304 --d-model 512 --hidden 1792 --rep-ms 200]
 
-Times forward (training forward, inputs require grad), backward (torch.autograd.grad on a retained
-graph) and forward+backward in bf16 with CUDA events (median of triton.testing.do_bench), and reports
+Times forward (training forward, inputs require grad), backward (torch.autograd.grad, timed alone
+after an untimed forward) and forward+backward in bf16 with CUDA events (median of triton.testing.do_bench), and reports
 TFLOP/s against the bf16 matrix-product peak measured in the same run (a large torch.mm on random data).
-Also times the two Triton GEMMs alone, in both schedules, beside cuBLAS for the same product.
+Also times the two Triton GEMMs alone in every schedule beside cuBLAS for the same product, and lists
+the GPU kernels of one forward+backward of both compiled versions (torch.profiler).
 """
 from __future__ import annotations
 
@@ -49,6 +50,22 @@ def matmul_peak_tflops(rep_ms: int) -> float:
     return 2 * PEAK_SIZE**3 / bench_ms(lambda: torch.mm(a, b), rep_ms) / 1e9
 
 
+def backward_ms(fn, leaves, dy, reps: int, warmup: int = 3) -> float:
+    """Median CUDA-event time of the backward alone; each repeat runs its own (untimed) forward,
+    because compiled backwards free their saved buffers (no retain_graph)."""
+    pairs = []
+    for i in range(warmup + reps):
+        y = fn(*leaves)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.autograd.grad(y, leaves, dy)
+        end.record()
+        if i >= warmup:
+            pairs.append((start, end))
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in pairs)[len(pairs) // 2]
+
+
 def pass_timings(fn, x, w_up, w_down, rep_ms: int) -> dict[str, float]:
     """Milliseconds of forward, backward and forward+backward of y = fn(x, w_up, w_down)."""
     leaves = [t.detach().clone().requires_grad_() for t in (x, w_up, w_down)]
@@ -60,11 +77,11 @@ def pass_timings(fn, x, w_up, w_down, rep_ms: int) -> dict[str, float]:
     def forward_backward():
         torch.autograd.grad(fn(*leaves), leaves, dy)
 
-    y = forward()
+    both = bench_ms(forward_backward, rep_ms)
     return {
         "forward": bench_ms(forward, rep_ms),
-        "backward": bench_ms(lambda: torch.autograd.grad(y, leaves, dy, retain_graph=True), rep_ms),
-        "forward+backward": bench_ms(forward_backward, rep_ms),
+        "backward": backward_ms(fn, leaves, dy, reps=max(10, int(rep_ms / both))),
+        "forward+backward": both,
     }
 
 
@@ -78,27 +95,67 @@ def first_call_seconds(fn, x, w_up, w_down) -> float:
     return time.perf_counter() - start
 
 
-def gemm_rows(x, w_up, w_down, rep_ms: int) -> list[tuple[str, float, float]]:
-    """(name, ms, flop) for each fused GEMM in both schedules and cuBLAS computing the same product."""
+def config_label(config) -> str:
+    kw = config.kwargs
+    split = f" split{kw['EPILOGUE_SPLIT']}" if "EPILOGUE_SPLIT" in kw else ""
+    return f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} s{config.num_stages} w{config.num_warps}{split}"
+
+
+def gemm_rows(x, w_up, w_down, rep_ms: int) -> tuple[list[list], list[list[str]]]:
+    """Rows (name, ms, flop, chosen config, first-launch seconds) for each fused GEMM in every schedule
+    beside cuBLAS computing the same product, and the autotuner's timing of every config. Run first in
+    a process, so that each first launch includes compiling and autotuning its kernel. A schedule that
+    fails to compile is reported in its row, not raised."""
     from kernels import mlp_triton
+    kernels = {"tiled": mlp_triton.mlp_gemm_kernel, "persistent": mlp_triton.mlp_gemm_persistent_kernel,
+               "tma": mlp_triton.mlp_gemm_tma_kernel}
     tokens, hidden = x.shape[0], w_up.shape[0]
     flop = 2 * tokens * x.shape[1] * hidden
     out, aux = (torch.empty(tokens, hidden, device="cuda", dtype=x.dtype) for _ in range(2))
     dy = torch.randn(tokens, w_down.shape[0], device="cuda", dtype=x.dtype)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = [("cuBLAS x·W_upᵀ (no epilogue)", bench_ms(lambda: torch.mm(x, w_up.t()), rep_ms), flop)]
-    for label, programs in (("tiled", None), ("persistent", sms)):
-        up = lambda: mlp.launch_gemm(x, w_up.t(), out, aux, mlp_triton.EPILOGUE_ACTIVATION, programs)  # noqa: E731
-        down = lambda: mlp.launch_gemm(dy, w_down, out, aux, mlp_triton.EPILOGUE_GRAD, programs)  # noqa: E731
-        up()  # autotune outside the timed region
-        down()
-        rows.append((f"Triton up GEMM + activation, {label}", bench_ms(up, rep_ms), flop))
-        rows.append((f"Triton dpre GEMM ⊙ act_grad, {label}", bench_ms(down, rep_ms), flop))
+    rows = [["cuBLAS x·W_upᵀ (no epilogue)", bench_ms(lambda: torch.mm(x, w_up.t()), rep_ms), flop, "-", 0.0]]
+    tuning = []
+    for schedule, kernel in kernels.items():
+        for what, a, b, epilogue in (("up GEMM + activation", x, w_up.t(), mlp_triton.EPILOGUE_ACTIVATION),
+                                     ("dpre GEMM ⊙ act_grad", dy, w_down, mlp_triton.EPILOGUE_GRAD)):
+            def launch():
+                mlp.launch_gemm(a, b, out, aux, epilogue, schedule)
+            name = f"Triton {what}, {schedule}"
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            try:
+                launch()  # compile + autotune outside the timed region
+                torch.cuda.synchronize()
+            except Exception as err:  # noqa: BLE001 - report the failing schedule and keep benchmarking
+                rows.append([name, float("nan"), flop, f"failed: {type(err).__name__}: {str(err)[:80]}", 0.0])
+                continue
+            first_s = time.perf_counter() - start
+            rows.append([name, bench_ms(launch, rep_ms), flop, config_label(kernel.best_config), first_s])
+            for config, ms in getattr(kernel, "configs_timings", {}).items():
+                median = ms[0] if isinstance(ms, (list, tuple)) else ms
+                tuning.append([name, config_label(config), f"{median:.3f}"])
+    return rows, tuning
+
+
+def kernel_breakdown(fn, x, w_up, w_down, iters: int = 5) -> list[list[str]]:
+    """GPU time per forward+backward of each kernel (torch.profiler), largest first, and their sum."""
+    from torch.profiler import ProfilerActivity, profile
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w_up, w_down)]
+    dy = torch.randn(*x.shape[:-1], w_down.shape[0], device=x.device, dtype=x.dtype)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            torch.autograd.grad(fn(*leaves), leaves, dy)
+        torch.cuda.synchronize()
+    per_kernel = [(e.key, getattr(e, "device_time_total", 0.0) / iters / 1000, e.count / iters)
+                  for e in prof.key_averages()]
+    per_kernel = sorted((k for k in per_kernel if k[1] > 0), key=lambda k: -k[1])
+    rows = [[name[:70], f"{count:g}", f"{ms:.3f}"] for name, ms, count in per_kernel]
+    rows.append(["(sum of kernel time)", "", f"{sum(k[1] for k in per_kernel):.3f}"])
     return rows
 
 
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
     print(f"\n{title}")
     print(" | ".join(h.ljust(w) for h, w in zip(header, widths)))
     print("-+-".join("-" * w for w in widths))
@@ -116,6 +173,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     w_up = (torch.randn(h, d, device="cuda") / d**0.5).to(torch.bfloat16)
     w_down = (torch.randn(d, h, device="cuda") / h**0.5).to(torch.bfloat16)
     peak = matmul_peak_tflops(args.rep_ms)
+    gemms, tuning = gemm_rows(x, w_up, w_down, args.rep_ms)
     impls = {
         "fused kernel (eager)": mlp.fused_mlp,
         "fused kernel (torch.compile)": torch.compile(mlp.fused_mlp, fullgraph=True),
@@ -130,18 +188,22 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; "
           f"triton {__import__('triton').__version__}")
     print(f"shape: {t} x {d} -> {h} -> {d}, bf16; matmul peak (torch.mm {PEAK_SIZE}^3 bf16): {peak:.0f} TFLOP/s")
+    print_table("Autotuner timings (median ms per config)", ["GEMM", "config", "ms"], tuning)
+    print_table("Single GEMMs (same product)", ["GEMM", "ms", "TFLOP/s", "% peak", "config", "first launch s"],
+                [[n, f"{ms:.3f}", f"{f / ms / 1e9:.0f}", f"{100 * f / ms / 1e9 / peak:.0f}%", c, f"{s:.1f}"]
+                 for n, ms, f, c, s in gemms])
+    print_table("First forward+backward (Triton autotune done above / torch.compile), s",
+                ["implementation", "seconds"], [[n, f"{s:.1f}"] for n, s in first_s.items()])
     rows = []
     for name, passes in times.items():
         for pass_name, ms in passes.items():
             tflops = flop[pass_name] / ms / 1e9
             rows.append([name, pass_name, f"{ms:.3f}", f"{tflops:.0f}", f"{100 * tflops / peak:.0f}%",
                          f"{baseline[pass_name] / ms:.2f}x"])
+    for name in ("fused kernel (torch.compile)", "reference (torch.compile)"):
+        print_table(f"Kernels per forward+backward: {name} (torch.profiler)", ["kernel", "calls", "ms"],
+                    kernel_breakdown(impls[name], x, w_up, w_down))
     print_table("MLP passes", ["implementation", "pass", "ms", "TFLOP/s", "% peak", "speed vs compile"], rows)
-    gemms = gemm_rows(x, w_up, w_down, args.rep_ms)
-    print_table("Single GEMMs (same product)", ["GEMM", "ms", "TFLOP/s", "% peak"],
-                [[n, f"{ms:.3f}", f"{f / ms / 1e9:.0f}", f"{100 * f / ms / 1e9 / peak:.0f}%"] for n, ms, f in gemms])
-    print_table("First call (autotune / compile), s", ["implementation", "seconds"],
-                [[n, f"{s:.1f}"] for n, s in first_s.items()])
     speedup = baseline["forward+backward"] / times["fused kernel (torch.compile)"]["forward+backward"]
     print(f"\nforward+backward, fused (torch.compile) vs reference (torch.compile): {speedup:.2f}x (goal >= 1.10x)")
     return times

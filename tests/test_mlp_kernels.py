@@ -92,19 +92,57 @@ def torch_epilogue_reference(a, b, aux, epilogue):
     return acc * aux.double(), aux.double()
 
 
-@pytest.mark.parametrize("programs", [None, 3], ids=["tiled", "persistent"])
-@pytest.mark.parametrize("epilogue", [mlp_triton.EPILOGUE_ACTIVATION, mlp_triton.EPILOGUE_GRAD],
-                         ids=["activation", "grad"])
-def test_interpreter_both_schedules_write_every_element(interpreter, programs, epilogue):
-    m, k, n = 45, 24, 70
-    a = torch.randn(m, k)
-    b = torch.randn(n, k).t()  # transposed view, as W_upᵀ is passed in the forward
-    out = torch.full((m, n), float("nan"))
-    aux = torch.randn(m, n) if epilogue == mlp_triton.EPILOGUE_GRAD else torch.full((m, n), float("nan"))
-    mlp.launch_gemm(a, b, out, aux, epilogue, programs)
+def epilogue_case(m: int, k: int, n: int, epilogue: int, device: str = "cpu", dtype=torch.float32):
+    """a, b (a transposed view, as W_upᵀ in the forward), NaN-poisoned out and aux (aux holds act_grad
+    for the GRAD epilogue)."""
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = (torch.randn(n, k, device=device) / k**0.5).to(dtype).t()
+    out = torch.full((m, n), float("nan"), device=device, dtype=dtype)
+    aux = (torch.randn(m, n, device=device).to(dtype) if epilogue == mlp_triton.EPILOGUE_GRAD
+           else torch.full_like(out, float("nan")))
+    return a, b, out, aux
+
+
+EPILOGUES = pytest.mark.parametrize("epilogue", [mlp_triton.EPILOGUE_ACTIVATION, mlp_triton.EPILOGUE_GRAD],
+                                    ids=["activation", "grad"])
+
+
+@pytest.mark.parametrize("schedule", mlp.SCHEDULES)
+@EPILOGUES
+def test_interpreter_every_schedule_writes_every_element(interpreter, schedule, epilogue):
+    a, b, out, aux = epilogue_case(45, 24, 68, epilogue)  # row strides of 96 and 272 bytes: TMA-compatible
     want_out, want_aux = torch_epilogue_reference(a, b, aux, epilogue)
+    mlp.launch_gemm(a, b, out, aux, epilogue, schedule, programs=3)
     assert rel_err(out, want_out) < 1e-5
     assert rel_err(aux, want_aux) < 1e-5
+
+
+@pytest.mark.parametrize("split", [1, 2, 4])
+@EPILOGUES
+def test_interpreter_tma_epilogue_splits(interpreter, split, epilogue):
+    """Every EPILOGUE_SPLIT the GPU configs use, and a row-major b (as W_down in the backward)."""
+    a, b, out, aux = epilogue_case(37, 40, 136, epilogue)
+    b = b.contiguous()
+    want_out, want_aux = torch_epilogue_reference(a, b, aux, epilogue)
+    m, k = a.shape
+    n = b.shape[1]
+    mlp_triton.mlp_gemm_tma_kernel.fn[(3,)](
+        a, b, out, aux, m, n, k, a.stride(0), b.stride(0), out.stride(0), 3, EPILOGUE=epilogue,
+        B_K_MAJOR=False, IEEE_FP32=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, GROUP_M=2, EPILOGUE_SPLIT=split)
+    assert rel_err(out, want_out) < 1e-5
+    assert rel_err(aux, want_aux) < 1e-5
+
+
+def test_schedule_selection_and_errors():
+    a, b, out, aux = epilogue_case(8, 16, 32, mlp_triton.EPILOGUE_ACTIVATION)
+    assert mlp.tma_compatible(a, b, out, aux)
+    assert mlp.default_schedule(a, b, out, aux) == "tiled"  # CPU: the descriptor kernel is for Hopper
+    assert not mlp.tma_compatible(torch.randn(1, 16).expand(8, 16))  # broadcast rows (stride 0)
+    assert not mlp.tma_compatible(torch.randn(8, 5))  # 20-byte rows
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        mlp.launch_gemm(a, b, out, aux, mlp_triton.EPILOGUE_ACTIVATION, "fastest")
+    with pytest.raises(ValueError, match="tma schedule needs"):
+        mlp.launch_gemm(torch.randn(8, 5), torch.randn(5, 32), out, aux, mlp_triton.EPILOGUE_ACTIVATION, "tma")
 
 
 def test_interpreter_broadcast_grad_and_partial_requires_grad(interpreter):
@@ -175,19 +213,15 @@ def test_gpu_bf16_matches_reference(lead, d, h):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("persistent", [False, True], ids=["tiled", "persistent"])
-def test_gpu_both_schedules_write_every_element(persistent):
-    m, k, n = 2051, 512, 1000
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t() / k**0.5
+@pytest.mark.parametrize("schedule", mlp.SCHEDULES)
+def test_gpu_every_schedule_writes_every_element(schedule):
     for epilogue in (mlp_triton.EPILOGUE_ACTIVATION, mlp_triton.EPILOGUE_GRAD):
-        out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-        aux = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-               if epilogue == mlp_triton.EPILOGUE_GRAD else torch.full_like(out, float("nan")))
-        programs = torch.cuda.get_device_properties(0).multi_processor_count if persistent else None
-        mlp.launch_gemm(a, b, out, aux, epilogue, programs)
-        want_out, want_aux = torch_epilogue_reference(a, b, aux, epilogue)
-        assert rel_err(out, want_out) < 1e-2 and rel_err(aux, want_aux) < 1e-2
+        a, b, out, aux = epilogue_case(2051, 512, 1000, epilogue, device="cuda", dtype=torch.bfloat16)
+        for b_layout in (b, b.contiguous()):  # W_upᵀ view (forward) and row-major (W_down, backward)
+            out.fill_(float("nan"))
+            want_out, want_aux = torch_epilogue_reference(a, b_layout, aux, epilogue)
+            mlp.launch_gemm(a, b_layout, out, aux, epilogue, schedule)
+            assert rel_err(out, want_out) < 1e-2 and rel_err(aux, want_aux) < 1e-2
 
 
 @pytest.mark.gpu
