@@ -1,0 +1,87 @@
+"""Score a shipped artifact in bits per byte, from a fresh process.
+
+    python -m scripts.evaluate --artifact runs/<run>.mhcg --val 'DIR/fineweb_val_*.bin' --tokenizer T.model
+
+Prints one JSON line: val_loss, val_bpb, tokens, bytes, artifact_bytes, code_bytes, total_bytes.
+train.py's final line comes from `evaluate_artifact` below: the same code path.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python scripts/evaluate.py` as well as `python -m scripts.evaluate`
+    sys.path.insert(0, str(REPO))
+
+from data.loader import load_tokens  # noqa: E402
+from data.shards import list_shards  # noqa: E402
+from data.tokenizer import ByteLUT, build_byte_lut, file_sha256  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
+from model.gpt import GPT  # noqa: E402
+from quant.container import load_artifact  # noqa: E402
+from quant.size import check_total, code_bytes  # noqa: E402
+from training.config import EvalConfig  # noqa: E402
+from training.evaluate import evaluate_bpb  # noqa: E402
+
+
+def load_model(artifact: Path, device: torch.device) -> tuple[GPT, dict]:
+    """Rebuild the model from the artifact's own config and dequantized weights (no pickle)."""
+    meta, state = load_artifact(artifact)
+    model = GPT(ModelConfig(**meta["model_config"]))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{artifact}: tensors do not match the model config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]} (hint: artifact written by another code version?)")
+    return model.to(device), meta
+
+
+def evaluate_artifact(artifact: str | Path, val_tokens, lut: ByteLUT, eval_cfg: EvalConfig, *,
+                      device: torch.device, rank: int = 0, world_size: int = 1,
+                      tokenizer_sha256: str | None = None) -> dict:
+    artifact = Path(artifact)
+    model, meta = load_model(artifact, device)
+    if tokenizer_sha256 and meta.get("tokenizer_sha256") not in (None, tokenizer_sha256):
+        raise ValueError(f"{artifact}: trained with tokenizer sha256 {meta['tokenizer_sha256'][:12]}…, "
+                         f"evaluating with {tokenizer_sha256[:12]}… (hint: pass the run's tokenizer)")
+    result = evaluate_bpb(model, val_tokens, lut, context=eval_cfg.context, stride=eval_cfg.stride,
+                          batch_seqs=eval_cfg.batch_seqs, device=device,
+                          autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+                          rank=rank, world_size=world_size)
+    sizes = check_total(artifact.stat().st_size, code_bytes(REPO))
+    result.update(artifact_bytes=sizes["artifact_bytes"], code_bytes=sizes["code_bytes"],
+                  total_bytes=sizes["total_bytes"], fits_cap=sizes["fits"])
+    return result
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--artifact", required=True)
+    p.add_argument("--val", required=True, help="glob of validation shards, or a directory holding fineweb_val_*.bin")
+    p.add_argument("--tokenizer", required=True, help="SentencePiece model the artifact was trained with")
+    defaults = EvalConfig()
+    p.add_argument("--stride", type=int, default=defaults.stride, help="0 = non-overlapping windows")
+    p.add_argument("--context", type=int, default=defaults.context)
+    p.add_argument("--batch-seqs", type=int, default=defaults.batch_seqs)
+    p.add_argument("--max-tokens", type=int, default=0, help="score only the first N validation tokens")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = p.parse_args(argv)
+    pattern = str(Path(a.val) / "fineweb_val_*.bin") if Path(a.val).is_dir() else a.val
+    tokens = load_tokens(list_shards(pattern))
+    if a.max_tokens:
+        tokens = tokens[:a.max_tokens]
+    eval_cfg = EvalConfig(context=a.context, stride=a.stride, batch_seqs=a.batch_seqs)
+    result = evaluate_artifact(a.artifact, tokens, build_byte_lut(a.tokenizer), eval_cfg,
+                               device=torch.device(a.device), tokenizer_sha256=file_sha256(a.tokenizer))
+    print(json.dumps(result, sort_keys=True))
+    if not result["fits_cap"]:
+        sys.exit(f"total {result['total_bytes']:,} bytes is over the 16,000,000-byte cap by "
+                 f"{result['total_bytes'] - 16_000_000:,}")
+
+
+if __name__ == "__main__":
+    main()

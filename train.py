@@ -1,0 +1,152 @@
+"""Train a GPT with mHC residual streams, export a size-capped artifact, score it in bits per byte.
+
+    python train.py --config configs/demo.toml [section.key=value ...]
+    torchrun --standalone --nproc_per_node=8 train.py --config configs/record_8xh100.toml
+
+Phases (each timed in the log): setup, compile warm-up (not counted), training (the wall-clock
+budget, GPTQ calibration included), quantization + export, evaluation of the shipped artifact.
+The last line on stdout is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed
+
+from data.loader import TokenLoader, load_tokens
+from data.shards import list_shards
+from data.tokenizer import build_byte_lut, file_sha256
+from model.gpt import GPT
+from scripts.evaluate import evaluate_artifact
+from training.config import Config, load_config, to_dict
+from training.distributed import destroy, init_distributed
+from training.ema import maybe_ema
+from training.evaluate import evaluate_bpb
+from training.export import export_model
+from training.optim import build_optimizers
+from training.run_log import RunLog, git_commit, maybe_wandb, versions
+from training.trainer import grad_accum_steps, run_training, train_step
+
+REPO = Path(__file__).resolve().parent
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="a TOML file in configs/")
+    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. model.n_layers=4")
+    return p.parse_args(argv)
+
+
+def warm_up_compile(step_model, model, loader, optimizers, cfg: Config, accum: int, device, log) -> None:
+    """Run two real steps so torch.compile builds its graphs, then restore weights, optimizer and
+    loader exactly: the timed run starts from the same state as an uncompiled one."""
+    t0 = time.perf_counter()
+    weights = copy.deepcopy(model.state_dict())
+    opt_states = [copy.deepcopy(o.state_dict()) for o in optimizers]
+    loader_state = loader.state_dict()
+    for _ in range(2):
+        train_step(step_model, loader, optimizers, cfg, accum, device)
+    model.load_state_dict(weights)
+    for opt, state in zip(optimizers, opt_states):
+        opt.load_state_dict(state)
+    loader.load_state_dict(loader_state)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    log(f"phase compile_warmup {time.perf_counter() - t0:.1f} s (not counted in the training budget)")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    dist = init_distributed(cfg.train.device)
+    device = dist.device
+    t_setup = time.perf_counter()
+    run_id = cfg.train.run_id or f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}-s{cfg.train.seed}"
+    if dist.world_size > 1:  # rank 0's timestamp names the run everywhere
+        holder = [run_id]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        run_id = holder[0]
+    cfg.train.run_id = run_id
+    wandb_run = maybe_wandb(cfg.train.wandb and dist.rank == 0, cfg.train.wandb_project, run_id, to_dict(cfg))
+    log = RunLog(REPO / cfg.train.log_dir / f"{run_id}.txt", dist.rank == 0, wandb_run)
+    log(f"run {run_id}  commit {git_commit(REPO)}  world_size {dist.world_size}  device {device}")
+    log("versions " + json.dumps(versions()))
+    log("config " + json.dumps(to_dict(cfg), sort_keys=True))
+
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    model = GPT(cfg.model).to(device)
+    optimizers = build_optimizers(model.param_groups(), cfg.optim)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model {n_params:,} parameters")
+    loader = TokenLoader(list_shards(cfg.data.train_files), cfg.data.seq_len, cfg.train.micro_batch_seqs,
+                         rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed,
+                         shards_per_batch=cfg.data.shards_per_batch, prefetch=cfg.data.prefetch, device=device)
+    val_tokens = load_tokens(list_shards(cfg.data.val_files))
+    if cfg.eval.max_tokens:
+        val_tokens = val_tokens[:cfg.eval.max_tokens]
+    lut = build_byte_lut(cfg.data.tokenizer)
+    step_model = torch.compile(model) if cfg.train.compile else model
+    log(f"phase setup {time.perf_counter() - t_setup:.1f} s")
+    if cfg.train.compile:
+        warm_up_compile(step_model, model, loader, optimizers, cfg, grad_accum_steps(cfg, dist.world_size), device, log)
+    ema = maybe_ema(model, cfg.optim)
+
+    def evaluate(m=model) -> dict:
+        return evaluate_bpb(m, val_tokens, lut, context=cfg.eval.context, stride=cfg.eval.stride,
+                            batch_seqs=cfg.eval.batch_seqs, device=device,
+                            autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+                            rank=dist.rank, world_size=dist.world_size)
+
+    budget = cfg.train.time_budget_s - cfg.quant.calib_reserve_s if cfg.train.time_budget_s else 0.0
+    result = run_training(cfg, model, step_model, loader, optimizers, ema, dist, log, evaluate, budget)
+    loader.close()
+    log(f"phase training {result.train_time_s:.1f} s, {result.steps} steps, stopped by {result.stopped_by}")
+    if ema is not None:
+        ema.copy_to(model)  # the EMA weights are what ships
+    final = {"run_id": run_id, "steps": result.steps, "train_time_s": round(result.train_time_s, 2),
+             "tokens_seen": result.tokens, "params": n_params, "world_size": dist.world_size}
+    artifact = REPO / cfg.train.out_dir / f"{run_id}.mhcg"
+    export = export_model(cfg, model, train_files=list_shards(cfg.data.train_files), rank=dist.rank,
+                          world_size=dist.world_size, log=log, artifact_path=artifact,
+                          tokenizer_sha256=file_sha256(cfg.data.tokenizer), device=device)
+    final.update(export)
+    if cfg.eval.pre_quant:
+        t0 = time.perf_counter()
+        pre = evaluate()
+        log.record("eval", stage="pre_quant", seconds=round(time.perf_counter() - t0, 1), **pre)
+        final.update(pre_quant_val_loss=pre["val_loss"], pre_quant_val_bpb=pre["val_bpb"])
+
+    t0 = time.perf_counter()
+    scored = evaluate_artifact(artifact, val_tokens, lut, cfg.eval, device=device, rank=dist.rank,
+                               world_size=dist.world_size, tokenizer_sha256=file_sha256(cfg.data.tokenizer))
+    log.record("eval", stage="artifact", seconds=round(time.perf_counter() - t0, 1), **scored)
+    final.update({k: scored[k] for k in ("val_loss", "val_bpb", "tokens", "bytes", "artifact_bytes",
+                                         "code_bytes", "total_bytes", "fits_cap")})
+    final["source_entropy_bits_per_byte"] = entropy = source_entropy(cfg)
+    log(f"summary val_bpb {final['val_bpb']:.4f}" + (f" (source entropy {entropy:.4f} bits/byte)" if entropy else "")
+        + f", artifact {final['artifact_bytes']:,} B + code {final['code_bytes']:,} B = {final['total_bytes']:,} B"
+        + f" of {cfg.quant.cap_bytes:,}")
+    log.final(final)
+    destroy()
+    if not final["fits_cap"]:  # never report success above the cap
+        raise SystemExit(f"total {final['total_bytes']:,} bytes is over the {cfg.quant.cap_bytes:,}-byte cap by "
+                         f"{final['total_bytes'] - cfg.quant.cap_bytes:,} (hint: lower quant.margin_bytes is not "
+                         "the fix; shrink the model or use more int5)")
+    return final
+
+
+def source_entropy(cfg: Config) -> float | None:
+    """The demo corpus states its true entropy rate; real data has none."""
+    manifest = Path(cfg.data.tokenizer).parent / "manifest.json"
+    if manifest.exists():
+        return json.loads(manifest.read_text()).get("source_entropy_bits_per_byte")
+    return None
+
+
+if __name__ == "__main__":
+    main()

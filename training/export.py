@@ -1,0 +1,80 @@
+"""From trained weights to the shipped artifact: calibration batches, GPTQ export, size accounting.
+
+Calibration uses TRAINING tokens (a fresh loader order, never validation data) or text the model
+samples itself, and runs inside the training wall-clock budget (quant.calib_reserve_s).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed
+
+from data.loader import TokenLoader
+from model.layers import MLP
+from quant.calibrate import generate_calibration_tokens
+from quant.export import export_artifact
+from quant.size import code_bytes
+from training.config import Config
+
+REPO = Path(__file__).resolve().parents[1]
+CALIB_SEED_OFFSET = 7919  # calibration reads the training shards in an order of its own
+
+
+@contextmanager
+def reference_mlps(model: torch.nn.Module):
+    """GPTQ hooks nn.Linear calls; the fused MLP kernel bypasses them, so calibrate on the reference."""
+    mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    saved = [m.use_kernel for m in mlps]
+    for m in mlps:
+        m.use_kernel = False
+    try:
+        yield
+    finally:
+        for m, s in zip(mlps, saved):
+            m.use_kernel = s
+
+
+def calibration_batches(cfg: Config, model, train_files: list[str], device: torch.device) -> list[torch.Tensor]:
+    q, seq_len = cfg.quant, cfg.data.seq_len
+    batch = min(8, q.calib_seqs)
+    if q.calib_source == "generated":
+        ids = generate_calibration_tokens(model, q.calib_seqs, seq_len, seed=cfg.train.seed)
+        return list(ids.to(device).split(batch))
+    loader = TokenLoader(train_files, seq_len, batch, seed=cfg.train.seed + CALIB_SEED_OFFSET,
+                         shards_per_batch=cfg.data.shards_per_batch, prefetch=1, device=device)
+    try:
+        return [loader.next_batch()[0] for _ in range(-(-q.calib_seqs // batch))]
+    finally:
+        loader.close()
+
+
+def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world_size: int, log,
+                 artifact_path: Path, tokenizer_sha256: str, device: torch.device) -> dict:
+    """Rank 0 calibrates, quantizes and writes the artifact; the other ranks wait for it."""
+    report: dict = {}
+    if rank == 0:
+        artifact_path.parent.mkdir(parents=True, exist_ok=True)
+        code = code_bytes(REPO)
+        budget = cfg.quant.cap_bytes - code - cfg.quant.margin_bytes
+        meta = {"model_config": dataclasses.asdict(cfg.model), "tokenizer_sha256": tokenizer_sha256,
+                "run_id": cfg.train.run_id, "seq_len": cfg.data.seq_len}
+        t0 = time.perf_counter()
+        with reference_mlps(model):
+            batches = calibration_batches(cfg, model, train_files, device)
+            t_calib_data = time.perf_counter() - t0
+            report = export_artifact(model, batches, str(artifact_path), meta, budget, method=cfg.quant.method,
+                                     log=log)
+        seconds = time.perf_counter() - t0
+        log(f"phase quantize+export {seconds:.1f} s (calibration data {t_calib_data:.1f} s; "
+            f"reserve {cfg.quant.calib_reserve_s} s)")
+        report = {"artifact_bytes": artifact_path.stat().st_size, "code_bytes": code,
+                  "export_seconds": round(seconds, 2), "quant_method": cfg.quant.method,
+                  "calib_source": cfg.quant.calib_source,
+                  **{k: v for k, v in report.items() if isinstance(v, (int, float, str))}}
+    if world_size > 1:
+        torch.distributed.barrier()
+    return report

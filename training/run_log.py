@@ -1,0 +1,84 @@
+"""Run log: logs/<run_id>.txt on rank 0, mirrored to stdout; optional wandb; the final JSON line."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def git_commit(repo: Path) -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def versions() -> dict[str, str]:
+    info = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = "absent"
+    if torch.cuda.is_available():
+        info["cuda"] = str(torch.version.cuda)
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+class RunLog:
+    """Everything is written by rank 0 only; other ranks get a silent instance."""
+
+    def __init__(self, path: Path, enabled: bool, wandb_run: Any = None):
+        self.path, self.enabled, self.wandb = path, enabled, wandb_run
+        self.start = time.time()
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", buffering=1)
+
+    def __call__(self, msg: str) -> None:
+        if not self.enabled:
+            return
+        print(msg, flush=True)
+        self._file.write(msg + "\n")
+
+    def record(self, kind: str, **fields: Any) -> None:
+        """A machine-readable line `<kind> {json}` (the plotting and reproduce scripts parse these)."""
+        self(f"{kind} " + json.dumps(fields, sort_keys=True))
+        if self.wandb is not None and kind in ("step", "eval"):
+            self.wandb.log({f"{kind}/{k}": v for k, v in fields.items() if isinstance(v, (int, float))},
+                           step=fields.get("step"))
+
+    def final(self, result: dict[str, Any]) -> None:
+        """The last line on stdout: one JSON object."""
+        if not self.enabled:
+            return
+        line = json.dumps(result, sort_keys=True)
+        self._file.write("final " + line + "\n")
+        self._file.close()
+        if self.wandb is not None:
+            self.wandb.summary.update({k: v for k, v in result.items() if isinstance(v, (int, float, str))})
+            self.wandb.finish()
+        sys.stdout.flush()
+        print(line, flush=True)
+
+
+def maybe_wandb(enabled: bool, project: str, run_id: str, config: dict) -> Any:
+    """A wandb run when enabled (WANDB_MODE=offline/disabled honoured by wandb itself), else None."""
+    if not enabled:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        raise SystemExit("train.wandb=true but wandb is not installed (hint: pip install wandb, or set train.wandb=false)")
+    return wandb.init(project=os.environ.get("WANDB_PROJECT", project), name=run_id, config=config,
+                      mode=os.environ.get("WANDB_MODE"))
