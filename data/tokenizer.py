@@ -80,26 +80,35 @@ def train_tokenizer(inputs: list[str], vocab_size: int, out_prefix: str, *, num_
 
     Writes PREFIX.model and PREFIX.vocab (each renamed into place once complete) and returns the
     .model path. Documents longer than `max_sentence_length` bytes are left out of training, as
-    SentencePiece does by default.
+    SentencePiece does by default. The model file records its trainer options, `num_threads`
+    (default: all cores) among them: fix it to get byte-identical models on different machines.
     """
     if vocab_size < 256 + 4 + 1:
         raise ValueError(f"vocab_size {vocab_size} is too small: byte fallback alone needs 256 byte pieces "
                          "plus 4 control ids, and at least one merged piece")
     out_prefix = str(out_prefix)
     Path(out_prefix).parent.mkdir(parents=True, exist_ok=True)
-    tmp_prefix = f"{out_prefix}.tmp{os.getpid()}"
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter_texts(inputs), model_prefix=tmp_prefix, vocab_size=vocab_size,
-            num_threads=num_threads or os.cpu_count() or 1, max_sentence_length=max_sentence_length,
-            minloglevel=2, **PUBLISHED_SETTINGS)
-        for ext in (".vocab", ".model"):  # .model last: its presence means the pair is complete
-            os.replace(tmp_prefix + ext, out_prefix + ext)
-    finally:
-        for ext in (".vocab", ".model"):
-            if os.path.exists(tmp_prefix + ext):
-                os.unlink(tmp_prefix + ext)
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter_texts(inputs), model_writer=proto,
+        vocab_size=vocab_size, num_threads=num_threads or os.cpu_count() or 1,
+        max_sentence_length=max_sentence_length, minloglevel=2, **PUBLISHED_SETTINGS)
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
+    _write_atomic(out_prefix + ".vocab", vocab.encode("utf-8"))
+    _write_atomic(out_prefix + ".model", proto.getvalue())
     return out_prefix + ".model"
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def load_sp(model_path_or_sp) -> spm.SentencePieceProcessor:
