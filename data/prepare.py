@@ -1,0 +1,186 @@
+"""Tokenize text into train/val shards with a manifest.
+
+    python -m data.prepare --input FILE... --tokenizer MODEL --out DIR
+                           [--val-docs N | --val-input FILE...] [--shard-tokens N] [--workers N] [--overwrite]
+
+Documents become BOS + tokens and fill `fineweb_train_XXXXXX.bin` / `fineweb_val_XXXXXX.bin` of exactly
+--shard-tokens tokens each (the last one shorter); a document may continue into the next shard, as
+in the published export. Tokenization runs on all cores in fixed-size chunks whose results are
+written in input order, so the output is byte-identical for any number of workers.
+
+Decoding a document's tokens gives back its text after the tokenizer's nmt_nfkc normalization
+(NFKC; tabs and newlines become spaces; leading, trailing and repeated spaces are dropped), i.e.
+`sp.normalize(text)` with "▁" read as a space; text that normalization leaves unchanged comes back
+exactly. manifest.json counts, per split: docs, tokens (BOS included), `bytes` -- UTF-8 bytes of the
+decoded text, the denominator of bits per byte -- and `input_bytes` of the raw text.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from data.shards import BOS_ID, write_shard
+from data.tokenizer import build_byte_lut, count_target_bytes, file_sha256, iter_texts, load_sp
+
+CHUNK_DOCS = 256          # documents per worker task
+CHUNKS_IN_FLIGHT = 8      # tasks per worker queued at once: bounds memory on corpora of any size
+SPLITS = ("train", "val")
+
+_worker = {}
+
+
+def _init_worker(model_path: str) -> None:
+    sp = load_sp(model_path)
+    _worker.update(sp=sp, lut=build_byte_lut(sp))
+
+
+def encode_chunk(texts: list[str]) -> tuple[np.ndarray, int, int, int]:
+    """(BOS + tokens of each document, concatenated as uint16; docs; decoded bytes; input bytes)."""
+    sp, lut = _worker["sp"], _worker["lut"]
+    docs = sp.encode(texts)
+    tokens = np.fromiter(itertools.chain.from_iterable([BOS_ID, *ids] for ids in docs), dtype=np.uint16)
+    decoded_bytes = int(count_target_bytes(tokens[:-1], tokens[1:], lut).sum()) if len(tokens) else 0
+    return tokens, len(texts), decoded_bytes, sum(len(t.encode("utf-8")) for t in texts)
+
+
+class ShardWriter:
+    """Cuts a token stream into shards of exactly `shard_tokens` tokens (the last one may be shorter)."""
+
+    def __init__(self, out_dir: Path, split: str, shard_tokens: int):
+        self.out_dir, self.split, self.shard_tokens = out_dir, split, shard_tokens
+        self.pending: list[np.ndarray] = []
+        self.pending_tokens = 0
+        self.shards: list[str] = []
+
+    def add(self, tokens: np.ndarray) -> None:
+        self.pending.append(tokens)
+        self.pending_tokens += len(tokens)
+        if self.pending_tokens >= self.shard_tokens:
+            stream = np.concatenate(self.pending)
+            full = len(stream) // self.shard_tokens * self.shard_tokens
+            for start in range(0, full, self.shard_tokens):
+                self._write(stream[start:start + self.shard_tokens])
+            self.pending, self.pending_tokens = [stream[full:]], len(stream) - full
+
+    def finish(self) -> list[str]:
+        if self.pending_tokens:
+            self._write(np.concatenate(self.pending))
+        self.pending, self.pending_tokens = [], 0
+        return self.shards
+
+    def _write(self, tokens: np.ndarray) -> None:
+        name = f"fineweb_{self.split}_{len(self.shards):06d}.bin"
+        write_shard(self.out_dir / name, tokens)
+        self.shards.append(name)
+
+
+def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
+    it = iter(texts)
+    while chunk := list(itertools.islice(it, CHUNK_DOCS)):
+        yield chunk
+
+
+def _clear_outputs(out_dir: Path, overwrite: bool) -> None:
+    old = sorted(out_dir.glob("fineweb_*.bin")) + ([out_dir / "manifest.json"] if (out_dir / "manifest.json").exists() else [])
+    if old and not overwrite:
+        raise FileExistsError(f"{out_dir} already holds {len(old)} shard/manifest files (e.g. {old[0].name}); "
+                              "mixing runs would corrupt the split (hint: pass --overwrite or choose an empty --out)")
+    for path in old:
+        path.unlink()
+
+
+def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: str | os.PathLike, *,
+                   shard_tokens: int = 100_000_000, workers: int | None = None, overwrite: bool = False,
+                   extra_manifest: dict | None = None) -> dict:
+    """Tokenize each split's documents into shards under `out_dir` and write manifest.json (last, atomically:
+    its presence means the shards are complete). Returns the manifest."""
+    if shard_tokens < 1:
+        raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
+    unknown = set(splits) - set(SPLITS)
+    if unknown:
+        raise ValueError(f"unknown split names {sorted(unknown)}; expected {SPLITS}")
+    sp = load_sp(tokenizer)
+    if sp.get_piece_size() > 65536:
+        raise ValueError(f"{tokenizer}: vocab size {sp.get_piece_size()} does not fit uint16 shards")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _clear_outputs(out, overwrite)
+    workers = workers or os.cpu_count() or 1
+    manifest = {"tokenizer": str(tokenizer), "tokenizer_sha256": file_sha256(tokenizer),
+                "vocab_size": sp.get_piece_size(), "shard_tokens": shard_tokens, "bos_id": BOS_ID,
+                "bytes_definition": "UTF-8 bytes of the decoded (nmt_nfkc-normalized) text; BOS adds none",
+                "splits": {}}
+    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer),)) as pool:
+        for split, texts in splits.items():
+            manifest["splits"][split] = _tokenize_split(pool, workers, texts, ShardWriter(out, split, shard_tokens))
+    manifest.update(extra_manifest or {})
+    tmp = out / f".manifest.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    os.replace(tmp, out / "manifest.json")
+    return manifest
+
+
+def _tokenize_split(pool, workers: int, texts: Iterable[str], writer: ShardWriter) -> dict:
+    totals = {"docs": 0, "tokens": 0, "bytes": 0, "input_bytes": 0}
+    chunks = _chunks(texts)
+    while window := list(itertools.islice(chunks, workers * CHUNKS_IN_FLIGHT)):
+        for tokens, docs, decoded, raw in pool.map(encode_chunk, window, chunksize=1):
+            writer.add(tokens)
+            totals["docs"] += docs
+            totals["tokens"] += len(tokens)
+            totals["bytes"] += decoded
+            totals["input_bytes"] += raw
+    totals["shards"] = writer.finish()
+    return totals
+
+
+def prepare(inputs: list[str], tokenizer: str, out_dir: str | os.PathLike, *, val_docs: int = 0,
+            val_inputs: list[str] | None = None, **kwargs) -> dict:
+    """Files to shards. The validation split is either the first `val_docs` documents of `inputs` or all
+    documents of `val_inputs`; with neither there is no validation split."""
+    if val_docs and val_inputs:
+        raise ValueError("give either val_docs or val_inputs, not both")
+    if val_docs < 0:
+        raise ValueError(f"val_docs must be >= 0, got {val_docs}")
+    if val_inputs:
+        return prepare_splits({"val": iter_texts(val_inputs), "train": iter_texts(inputs)}, tokenizer, out_dir,
+                              **kwargs)
+    docs = iter_texts(inputs)
+    val = list(itertools.islice(docs, val_docs))
+    if len(val) < val_docs:
+        raise ValueError(f"--val-docs {val_docs} but the inputs hold only {len(val)} documents, none left to train")
+    splits = {"val": val, "train": docs} if val_docs else {"train": docs}
+    return prepare_splits(splits, tokenizer, out_dir, **kwargs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True, help="training text: .txt, .jsonl, .jsonl.gz, .jsonl.xz")
+    p.add_argument("--tokenizer", required=True, help="SentencePiece .model")
+    p.add_argument("--out", required=True, help="output directory")
+    val = p.add_mutually_exclusive_group()
+    val.add_argument("--val-docs", type=int, default=0, help="the first N input documents form the val split")
+    val.add_argument("--val-input", nargs="+", help="separate validation text files")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 100M)")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    p.add_argument("--overwrite", action="store_true", help="replace shards and manifest already in --out")
+    a = p.parse_args(argv)
+    try:
+        manifest = prepare(a.input, a.tokenizer, a.out, val_docs=a.val_docs, val_inputs=a.val_input,
+                           shard_tokens=a.shard_tokens, workers=a.workers, overwrite=a.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        sys.exit(f"data.prepare: {exc}")
+    for split, s in manifest["splits"].items():
+        print(f"{split}: {s['docs']:,} docs, {s['tokens']:,} tokens, {s['bytes']:,} bytes, {len(s['shards'])} shards")
+
+
+if __name__ == "__main__":
+    main()

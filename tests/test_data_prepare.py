@@ -1,0 +1,129 @@
+"""Text -> shards: exact round trip, deterministic for any worker count, atomic, every flag exercised."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from data.demo_source import Sampler, build_source
+from data.loader import load_tokens
+from data.prepare import main as prepare_main
+from data.prepare import prepare
+from data.shards import BOS_ID, list_shards, read_shard
+from data.tokenizer import iter_texts, train_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+OFFICIAL = SHARED / "tokenizers" / "fineweb_1024_bpe.model"
+DEV_VAL = SHARED / "corpus" / "dev_val_fineweb.jsonl.xz"
+
+
+def documents(tokens, sp):
+    starts = np.flatnonzero(tokens == BOS_ID).tolist() + [len(tokens)]
+    assert starts[0] == 0, "a split must start with BOS"
+    return [sp.decode(tokens[a + 1:b].tolist()) for a, b in zip(starts[:-1], starts[1:])]
+
+
+@pytest.fixture(scope="module")
+def demo_text(tmp_path_factory):
+    """Demo-source documents (normalization is the identity on them) and a small tokenizer."""
+    d = tmp_path_factory.mktemp("text")
+    docs = Sampler(build_source(1)).documents(700, np.random.default_rng(0))
+    (d / "docs.txt").write_text("\n".join(docs) + "\n")
+    (d / "val.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs[:30]))
+    model = train_tokenizer([str(d / "docs.txt")], 300, str(d / "tok"), num_threads=2)
+    return d, docs, model
+
+
+def test_round_trip_is_exact_on_identity_normalized_text(demo_text, tmp_path):
+    d, docs, model = demo_text
+    m = prepare([str(d / "docs.txt")], model, tmp_path, val_docs=50, shard_tokens=5_000, workers=2)
+    sp = spm.SentencePieceProcessor(model_file=model)
+    val = load_tokens(list_shards(str(tmp_path / "fineweb_val_*.bin")))
+    train = load_tokens(list_shards(str(tmp_path / "fineweb_train_*.bin")))
+    assert documents(val, sp) == docs[:50] and documents(train, sp) == docs[50:]
+    assert m["splits"]["val"]["docs"] == 50 and m["splits"]["train"]["docs"] == 650
+    assert m["splits"]["train"]["tokens"] == len(train) and m["splits"]["val"]["tokens"] == len(val)
+    assert m["splits"]["train"]["bytes"] == m["splits"]["train"]["input_bytes"] == sum(map(len, docs[50:]))
+    shards = list_shards(str(tmp_path / "fineweb_train_*.bin"))
+    assert len(shards) > 2 and all(len(read_shard(s)) == 5_000 for s in shards[:-1])  # exact shard size
+    assert 0 < len(read_shard(shards[-1])) <= 5_000
+    assert m["vocab_size"] == 300 and len(m["tokenizer_sha256"]) == 64
+    assert json.loads((tmp_path / "manifest.json").read_text()) == m
+
+
+def test_output_is_identical_for_any_worker_count(demo_text, tmp_path):
+    d, _, model = demo_text
+    prepare([str(d / "docs.txt")], model, tmp_path / "one", val_docs=10, shard_tokens=7_000, workers=1)
+    prepare([str(d / "docs.txt")], model, tmp_path / "two", val_docs=10, shard_tokens=7_000, workers=2)
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "two").iterdir())
+    for name in names:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+
+
+def test_separate_val_input_and_overwrite(demo_text, tmp_path):
+    d, docs, model = demo_text
+    prepare([str(d / "docs.txt")], model, tmp_path, val_inputs=[str(d / "val.jsonl")], workers=1)
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        prepare([str(d / "docs.txt")], model, tmp_path, workers=1)
+    m = prepare([str(d / "docs.txt")], model, tmp_path, workers=1, overwrite=True)
+    assert "val" not in m["splits"] and not list(tmp_path.glob("fineweb_val_*"))  # old val shards removed
+    with pytest.raises(ValueError, match="not both"):
+        prepare([str(d / "docs.txt")], model, tmp_path / "x", val_docs=3, val_inputs=[str(d / "val.jsonl")])
+    with pytest.raises(ValueError, match="only 700 documents"):
+        prepare([str(d / "docs.txt")], model, tmp_path / "y", val_docs=10_000)
+
+
+def test_interrupted_run_leaves_no_valid_looking_partial_output(demo_text, tmp_path, monkeypatch):
+    d, _, model = demo_text
+    import data.prepare as prep
+    real_write, calls = prep.write_shard, []
+
+    def write_then_die(path, tokens):
+        calls.append(path)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("killed")
+        real_write(path, tokens)
+    monkeypatch.setattr(prep, "write_shard", write_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(d / "docs.txt")], model, tmp_path, shard_tokens=3_000, workers=1)
+    assert not (tmp_path / "manifest.json").exists()  # the run never claims completion
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["fineweb_train_000000.bin", "fineweb_train_000001.bin"]  # complete shards only
+    assert all(len(read_shard(tmp_path / f)) == 3_000 for f in files)
+
+
+def test_prepare_cli_flags(demo_text, tmp_path):
+    d, docs, model = demo_text
+    out = subprocess.run([sys.executable, "-m", "data.prepare", "--input", str(d / "docs.txt"), "--tokenizer", model,
+                          "--out", str(tmp_path), "--val-docs", "25", "--shard-tokens", "20000", "--workers", "2"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert "val: 25 docs" in out and "train: 675 docs" in out
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    assert m["shard_tokens"] == 20_000 and len(m["splits"]["train"]["shards"]) > 1
+    prepare_main(["--input", str(d / "docs.txt"), "--tokenizer", model, "--out", str(tmp_path),
+                  "--val-input", str(d / "val.jsonl"), "--overwrite", "--workers", "1"])
+    assert json.loads((tmp_path / "manifest.json").read_text())["splits"]["val"]["docs"] == 30
+    with pytest.raises(SystemExit, match="already holds"):
+        prepare_main(["--input", str(d / "docs.txt"), "--tokenizer", model, "--out", str(tmp_path)])
+
+
+def test_real_text_round_trips_to_its_normalized_form(tmp_path):
+    """FineWeb documents with the official tokenizer: decoding gives back sp.normalize(text) (nmt_nfkc:
+    newlines and tabs become spaces, runs of spaces collapse), which is what bits per byte counts."""
+    if not (OFFICIAL.is_file() and DEV_VAL.is_file()):
+        pytest.skip(f"shared data absent at {SHARED}")
+    m = prepare([str(DEV_VAL)], str(OFFICIAL), tmp_path, val_docs=40, shard_tokens=60_000, workers=2)
+    sp = spm.SentencePieceProcessor(model_file=str(OFFICIAL))
+    texts = list(iter_texts([DEV_VAL]))
+    normalized = [sp.normalize(t).replace("▁", " ") for t in texts]
+    decoded = documents(load_tokens(list_shards(str(tmp_path / "fineweb_val_*.bin"))), sp)
+    decoded += documents(load_tokens(list_shards(str(tmp_path / "fineweb_train_*.bin"))), sp)
+    assert decoded == normalized
+    total = m["splits"]["val"]["bytes"] + m["splits"]["train"]["bytes"]
+    assert total == sum(len(t.encode("utf-8")) for t in normalized)
+    assert m["tokenizer_sha256"].startswith("4f5e8adb")
