@@ -17,7 +17,7 @@ decoder blocks. What a skip carries depends on the residual wiring:
     decoder block, between the kernel calls (`ops.pre/post/post_pre` are unchanged). Taking the
     input rather than the block's output also keeps the first decoder block's skip from being its
     own input again (the last encoder block's output is exactly what it reads next), and gives the
-    last decoder block the embedding itself.
+    deepest skip (into block 2*n_enc - 1) the input of block 0, i.e. the embedding.
 """
 from __future__ import annotations
 
