@@ -1,0 +1,184 @@
+"""Fetch the published FineWeb export and its tokenizer from the Hugging Face Hub.
+
+    python -m data.download --variant sp1024 --train-shards N [--out DIR] [--repo-id ID] [--retries K]
+
+The dataset repo (repo_type dataset) holds `datasets/manifest.json`, which lists each export
+(`datasets[].name`, `.tokenizer_name`, `.stats.files_train` / `.files_val`) and each tokenizer
+(`tokenizers[].name`, `.model_path`, `.vocab_path`). Shards live under
+`datasets/datasets/fineweb10B_<variant>/` and tokenizers under `datasets/tokenizers/`. They land in
+DIR/datasets/fineweb10B_<variant>/ and DIR/tokenizers/ (DIR defaults to this package's folder).
+
+Each file is downloaded into DIR/datasets/.staging (huggingface_hub resumes partial files there),
+checked against the size the Hub reports (shards also against their own header), and only then
+renamed into place; a file already in place with the right size is skipped, so re-running resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from data.shards import ShardError, read_header
+
+REPO_ID = "willdepueoai/parameter-golf"
+REMOTE_ROOT = "datasets"
+MANIFEST = f"{REMOTE_ROOT}/manifest.json"
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    remote: str   # path inside the Hub repo
+    local: Path   # final destination
+    kind: str     # tokenizer | val | train
+
+
+def dataset_name(variant: str) -> str:
+    if variant == "byte260" or (variant.startswith("sp") and variant[2:].isdigit()):
+        return f"fineweb10B_{variant}"
+    raise ValueError(f"unknown variant {variant!r}; expected sp<VOCAB> (e.g. sp1024) or byte260")
+
+
+def _entry(manifest: dict, section: str, name: str) -> dict:
+    entries = manifest.get(section) or []
+    for entry in entries:
+        if entry.get("name") == name:
+            return entry
+    known = ", ".join(str(e.get("name")) for e in entries) or "none"
+    raise ValueError(f"{MANIFEST}: no {section} entry named {name!r} (available: {known})")
+
+
+def plan_downloads(manifest: dict, variant: str, train_shards: int, out_dir: Path) -> list[RemoteFile]:
+    """Files to fetch for `variant`: tokenizer files, every validation shard, the first `train_shards`
+    training shards. Pure: no network, no disk."""
+    name = dataset_name(variant)
+    dataset = _entry(manifest, "datasets", name)
+    stats = dataset.get("stats") or {}
+    try:
+        n_train, n_val = int(stats["files_train"]), int(stats["files_val"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{MANIFEST}: dataset {name!r} lacks integer stats.files_train / stats.files_val") from None
+    if not 0 <= train_shards <= n_train:
+        raise ValueError(f"--train-shards {train_shards}: {name} has {n_train} training shards (use 0..{n_train})")
+    tokenizer = _entry(manifest, "tokenizers", dataset.get("tokenizer_name"))
+    tok_paths = [tokenizer[k] for k in ("model_path", "vocab_path") if tokenizer.get(k)]
+    if not any(p.endswith(".model") for p in tok_paths):
+        raise ValueError(f"{MANIFEST}: tokenizer {tokenizer.get('name')!r} has no model_path ending in .model")
+    files = [RemoteFile(f"{REMOTE_ROOT}/{p}", out_dir / "tokenizers" / Path(p).name, "tokenizer") for p in tok_paths]
+    shard_dir = f"{REMOTE_ROOT}/datasets/{name}"
+    for split, count in (("val", n_val), ("train", train_shards)):
+        for i in range(count):
+            shard = f"fineweb_{split}_{i:06d}.bin"
+            files.append(RemoteFile(f"{shard_dir}/{shard}", out_dir / "datasets" / name / shard, split))
+    return files
+
+
+def check_file(path: Path, expected_size: int | None) -> str | None:
+    """Why `path` is not a complete copy (None when it is)."""
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if expected_size is not None and size != expected_size:
+        return f"{size} bytes, the Hub says {expected_size}"
+    if path.suffix == ".bin":
+        try:
+            read_header(path)
+        except ShardError as exc:
+            return str(exc)
+    return None
+
+
+# The two network calls, module-level so tests replace them.
+def hub_sizes(repo_id: str, remotes: list[str]) -> dict[str, int]:
+    from huggingface_hub import HfApi
+    sizes = {}
+    for i in range(0, len(remotes), 100):
+        for info in HfApi().get_paths_info(repo_id, remotes[i:i + 100], repo_type="dataset"):
+            sizes[info.path] = info.size
+    return sizes
+
+
+def hub_download(repo_id: str, remote: str, staging: Path) -> Path:
+    from huggingface_hub import hf_hub_download
+    return Path(hf_hub_download(repo_id, remote, repo_type="dataset", local_dir=staging))
+
+
+def fetch(repo_id: str, item: RemoteFile, size: int | None, staging: Path, retries: int) -> None:
+    """Download one file with retries and exponential backoff; verify it; move it into place."""
+    for attempt in range(1, retries + 1):
+        try:
+            staged = hub_download(repo_id, item.remote, staging)
+            problem = check_file(staged, size)
+            if problem is None:
+                item.local.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(staged, item.local)
+                return
+            staged.unlink()  # a bad copy must not be resumed from
+            error: Exception = ValueError(f"{item.remote}: downloaded file is bad ({problem})")
+        except Exception as exc:  # network hiccups, Hub errors: retried, then reported
+            error = exc
+        if attempt < retries:
+            delay = min(2 ** (attempt - 1), 30)
+            print(f"retry {attempt}/{retries - 1} for {item.remote} in {delay} s: {error}", file=sys.stderr, flush=True)
+            time.sleep(delay)
+    raise RuntimeError(f"could not download {item.remote} after {retries} attempts: {error}") from error
+
+
+def load_manifest(repo_id: str, out_dir: Path, retries: int) -> dict:
+    local = out_dir / "datasets" / "manifest.json"
+    size = hub_sizes(repo_id, [MANIFEST]).get(MANIFEST)
+    if size is None:
+        raise ValueError(f"{repo_id} has no {MANIFEST}")
+    if check_file(local, size) is not None:
+        fetch(repo_id, RemoteFile(MANIFEST, local, "manifest"), size, out_dir / "datasets" / ".staging", retries)
+    return json.loads(local.read_text(encoding="utf-8"))
+
+
+def download(variant: str, train_shards: int, out_dir: Path, repo_id: str = REPO_ID, retries: int = 4) -> list[Path]:
+    """Fetch what `plan_downloads` lists; returns the local paths. Raises on the first file that fails."""
+    if retries < 1:
+        raise ValueError(f"--retries must be >= 1, got {retries}")
+    manifest = load_manifest(repo_id, out_dir, retries)
+    plan = plan_downloads(manifest, variant, train_shards, out_dir)
+    sizes = hub_sizes(repo_id, [f.remote for f in plan])
+    staging = out_dir / "datasets" / ".staging"
+    for i, item in enumerate(plan, 1):
+        size = sizes.get(item.remote)
+        if size is None:
+            raise ValueError(f"{repo_id}: {item.remote} is listed by the manifest but not on the Hub")
+        if check_file(item.local, size) is None:
+            print(f"[{i}/{len(plan)}] have {item.local}", flush=True)
+            continue
+        fetch(repo_id, item, size, staging, retries)
+        print(f"[{i}/{len(plan)}] got {item.local} ({size:,} bytes)", flush=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    return [item.local for item in plan]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", default="sp1024", help="sp1024 (default), sp8192, ... or byte260")
+    p.add_argument("--train-shards", type=int, default=80, help="training shards of 100M tokens (default 80)")
+    p.add_argument("--out", type=Path, default=PACKAGE_DIR, help="destination root (default: the data/ package)")
+    p.add_argument("--repo-id", default=REPO_ID, help=f"Hub dataset repo (default {REPO_ID})")
+    p.add_argument("--retries", type=int, default=4, help="attempts per file (default 4)")
+    a = p.parse_args(argv)
+    try:
+        hub_sizes(a.repo_id, [MANIFEST])  # one quick request first: fail fast and plainly when offline
+    except Exception as exc:
+        sys.exit(f"data.download: cannot reach the Hugging Face Hub for {a.repo_id} ({type(exc).__name__}: "
+                 f"{str(exc).splitlines()[0] if str(exc) else 'no details'}); check the network and retry.")
+    try:
+        paths = download(a.variant, a.train_shards, a.out, a.repo_id, a.retries)
+    except (ValueError, RuntimeError) as exc:
+        sys.exit(f"data.download: {exc}")
+    print(f"ready: {len(paths)} files under {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Download planning and fetching, offline: the Hub calls are replaced by fakes."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import data.download as dl
+from data.shards import HEADER_BYTES, write_shard
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE_MANIFEST = {
+    "datasets": [{"name": "fineweb10B_sp1024", "tokenizer_name": "sp_bpe_1024",
+                  "stats": {"files_train": 3, "files_val": 2}},
+                 {"name": "fineweb10B_sp8192", "tokenizer_name": "sp_bpe_8192", "stats": {}}],
+    "tokenizers": [{"name": "sp_bpe_1024", "model_path": "tokenizers/fineweb_1024_bpe.model",
+                    "vocab_path": "tokenizers/fineweb_1024_bpe.vocab"}],
+}
+
+
+def test_plan_lists_tokenizer_val_and_requested_train_shards(tmp_path):
+    plan = dl.plan_downloads(FAKE_MANIFEST, "sp1024", 2, tmp_path)
+    assert [(f.kind, f.remote) for f in plan] == [
+        ("tokenizer", "datasets/tokenizers/fineweb_1024_bpe.model"),
+        ("tokenizer", "datasets/tokenizers/fineweb_1024_bpe.vocab"),
+        ("val", "datasets/datasets/fineweb10B_sp1024/fineweb_val_000000.bin"),
+        ("val", "datasets/datasets/fineweb10B_sp1024/fineweb_val_000001.bin"),
+        ("train", "datasets/datasets/fineweb10B_sp1024/fineweb_train_000000.bin"),
+        ("train", "datasets/datasets/fineweb10B_sp1024/fineweb_train_000001.bin")]
+    assert plan[0].local == tmp_path / "tokenizers" / "fineweb_1024_bpe.model"
+    assert plan[-1].local == tmp_path / "datasets" / "fineweb10B_sp1024" / "fineweb_train_000001.bin"
+
+
+@pytest.mark.parametrize("variant, shards, match", [
+    ("gpt2", 1, "unknown variant 'gpt2'"),
+    ("sp4096", 1, "no datasets entry named 'fineweb10B_sp4096' \\(available: fineweb10B_sp1024, fineweb10B_sp8192\\)"),
+    ("sp1024", 4, "--train-shards 4: fineweb10B_sp1024 has 3 training shards"),
+    ("sp8192", 1, "lacks integer stats.files_train"),
+])
+def test_plan_errors_say_what_is_wrong(tmp_path, variant, shards, match):
+    with pytest.raises(ValueError, match=match):
+        dl.plan_downloads(FAKE_MANIFEST, variant, shards, tmp_path)
+
+
+class FakeHub:
+    """Serves FAKE_MANIFEST, valid shards and a tokenizer; can hand out a truncated copy first."""
+
+    def __init__(self, truncate_first=(), fail_always=()):
+        self.files = {dl.MANIFEST: json.dumps(FAKE_MANIFEST).encode()}
+        for remote in ["datasets/tokenizers/fineweb_1024_bpe.model", "datasets/tokenizers/fineweb_1024_bpe.vocab"]:
+            self.files[remote] = b"tokenizer bytes " + remote.encode()
+        self.truncate_first, self.fail_always = set(truncate_first), set(fail_always)
+        self.calls = []
+
+    def shard(self, remote):
+        if remote not in self.files:
+            n = 100 + len(self.files)
+            tmp = Path(os.environ["PYTEST_TMP"]) / "shard.bin"
+            write_shard(tmp, np.arange(n))
+            self.files[remote] = tmp.read_bytes()
+        return self.files[remote]
+
+    def sizes(self, repo_id, remotes):
+        assert repo_id == self.repo_id
+        return {r: len(self.shard(r) if r.endswith(".bin") else self.files[r]) for r in remotes}
+
+    def download(self, repo_id, remote, staging):
+        self.calls.append(remote)
+        if remote in self.fail_always:
+            raise ConnectionError("connection reset")
+        data = self.shard(remote) if remote.endswith(".bin") else self.files[remote]
+        if remote in self.truncate_first:
+            self.truncate_first.discard(remote)
+            data = data[:HEADER_BYTES + 3]
+        path = staging / remote
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        return path
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYTEST_TMP", str(tmp_path))
+    fake = FakeHub()
+    fake.repo_id = dl.REPO_ID
+    monkeypatch.setattr(dl, "hub_sizes", fake.sizes)
+    monkeypatch.setattr(dl, "hub_download", fake.download)
+    monkeypatch.setattr(dl.time, "sleep", lambda s: None)
+    return fake
+
+
+def test_download_places_verifies_and_resumes(hub, tmp_path):
+    out = tmp_path / "data"
+    val = "datasets/datasets/fineweb10B_sp1024/fineweb_val_000001.bin"
+    hub.truncate_first = {val}
+    paths = dl.download("sp1024", 1, out, retries=2)
+    assert hub.calls.count(val) == 2  # the truncated copy was caught by its size and fetched again
+    assert (out / "datasets" / "manifest.json").is_file() and (out / "tokenizers" / "fineweb_1024_bpe.model").is_file()
+    assert sorted(p.name for p in (out / "datasets" / "fineweb10B_sp1024").iterdir()) == [
+        "fineweb_train_000000.bin", "fineweb_val_000000.bin", "fineweb_val_000001.bin"]
+    assert all(p.is_file() for p in paths) and not (out / "datasets" / ".staging").exists()
+    hub.calls.clear()
+    dl.download("sp1024", 2, out, retries=2)  # a rerun fetches only what is missing
+    assert hub.calls == ["datasets/datasets/fineweb10B_sp1024/fineweb_train_000001.bin"]
+    (out / "tokenizers" / "fineweb_1024_bpe.vocab").write_bytes(b"damaged")
+    hub.calls.clear()
+    dl.download("sp1024", 2, out, retries=1)
+    assert hub.calls == ["datasets/tokenizers/fineweb_1024_bpe.vocab"]
+
+
+def test_persistent_failure_is_reported_after_retries(hub, tmp_path):
+    bad = "datasets/datasets/fineweb10B_sp1024/fineweb_val_000000.bin"
+    hub.fail_always = {bad}
+    with pytest.raises(RuntimeError, match="could not download .*fineweb_val_000000.bin after 3 attempts"):
+        dl.download("sp1024", 0, tmp_path, retries=3)
+    assert hub.calls.count(bad) == 3
+    assert not (tmp_path / "datasets" / "fineweb10B_sp1024" / "fineweb_val_000000.bin").exists()
+
+
+def test_cli_flags(hub, tmp_path, capsys):
+    hub.repo_id = "someone/mirror"
+    dl.main(["--variant", "sp1024", "--train-shards", "1", "--out", str(tmp_path), "--repo-id", "someone/mirror",
+             "--retries", "1"])
+    assert "ready: 5 files" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--retries must be >= 1"):
+        dl.main(["--out", str(tmp_path), "--repo-id", "someone/mirror", "--retries", "0"])
+    with pytest.raises(SystemExit, match="has 3 training shards"):
+        dl.main(["--out", str(tmp_path), "--repo-id", "someone/mirror"])  # default 80 shards
+
+
+def test_no_network_exits_with_one_clear_sentence(tmp_path):
+    env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9")  # nothing listens there: fails at once
+    out = subprocess.run([sys.executable, "-m", "data.download", "--train-shards", "1", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("data.download: cannot reach the Hugging Face Hub"), out.stderr
+    assert not list(tmp_path.iterdir())
