@@ -162,6 +162,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 
 def validate(cfg: Config) -> None:
     m, t = cfg.model, cfg.train
+    try:
+        m.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
     if m.n_heads % m.n_kv_heads:
