@@ -142,8 +142,12 @@ class TokenLoader:
     # ----- the producer thread -----
 
     def _produce_one(self, state: dict):
-        rows, after = self._plan_batch(state)
-        return self._gather(rows), after
+        """(pinned int32 rows for a GPU, or the final (x, y) on CPU, state after this batch)."""
+        plan, after = self._plan_batch(state)
+        rows = self._gather(plan)
+        if self._pin:
+            return rows, after
+        return (rows[:, :-1].long(), rows[:, 1:].long()), after
 
     def _start_producer(self, state: dict) -> None:
         self._producer_state = state
@@ -187,9 +191,9 @@ class TokenLoader:
 
     # ----- delivery -----
 
-    def _to_device(self, rows: torch.Tensor, state: dict):
-        if self._copy_stream is None:
-            return rows[:, :-1].long(), rows[:, 1:].long(), None, state
+    def _to_device(self, rows, state: dict):
+        if self._copy_stream is None:  # CPU: the producer already built (x, y)
+            return *rows, None, state
         with torch.cuda.stream(self._copy_stream):
             dev = rows.to(self.device, non_blocking=True)
             x, y = dev[:, :-1].long(), dev[:, 1:].long()
