@@ -169,6 +169,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--retries", type=int, default=4, help="attempts per file (default 4)")
     a = p.parse_args(argv)
     try:
+        import huggingface_hub  # noqa: F401
+    except ImportError:
+        sys.exit("data.download: needs the huggingface_hub package (pip install huggingface_hub).")
+    try:
         hub_sizes(a.repo_id, [MANIFEST])  # one quick request first: fail fast and plainly when offline
     except Exception as exc:
         sys.exit(f"data.download: cannot reach the Hugging Face Hub for {a.repo_id} ({type(exc).__name__}: "

@@ -74,6 +74,8 @@ class TokenLoader:
         self.shards_per_batch, self.prefetch = shards_per_batch, prefetch
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"
+        if self._pin and self.device.index is None:  # the producer thread needs an explicit index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._copy_stream = torch.cuda.Stream(self.device) if self._pin else None
         self._passes: dict[int, list[_Pass]] = {}
         self._consumed = self._initial_state()
@@ -161,6 +163,8 @@ class TokenLoader:
 
     def _produce_forever(self, q: queue.Queue, stop: threading.Event, state: dict) -> None:
         try:
+            if self._pin:  # else pinning from this thread would open a CUDA context on GPU 0 in every rank
+                torch.cuda.set_device(self.device)
             while not stop.is_set():
                 item = self._produce_one(state)
                 state = item[1]
