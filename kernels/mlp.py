@@ -33,6 +33,7 @@ except ImportError:  # triton is a Linux-only dependency (pyproject.toml); other
     mlp_triton = None
 
 _INTERPRETER_DTYPES = (torch.float32, torch.float16)  # the interpreter has no bfloat16
+_INTERPRETER_PROGRAMS = 3  # persistent schedules on CPU: few programs, so each loops over several tiles
 
 
 def kernels_used_for(t: torch.Tensor) -> bool:
@@ -45,23 +46,43 @@ def kernels_used_for(t: torch.Tensor) -> bool:
 
 
 SCHEDULES = ("tiled", "persistent", "tma")
+_HOPPER_DEFAULT = "tma"
+
+
+def _byte_address(t: torch.Tensor) -> int:
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        # FakeTensor / FunctionalTensor while tracing: no address yet. PyTorch's allocators align storages
+        # to at least 16 bytes, so the storage offset decides.
+        return t.storage_offset() * t.element_size()
 
 
 def tma_compatible(*tensors: torch.Tensor) -> bool:
     """Tensor descriptors need 16-byte aligned bases and row strides and a unit last stride."""
     for t in tensors:
         row_stride = max(t.stride(0), t.stride(1))
-        if min(t.stride(0), t.stride(1)) != 1 or t.data_ptr() % 16 or (row_stride * t.element_size()) % 16:
+        if min(t.stride(0), t.stride(1)) != 1 or _byte_address(t) % 16 or (row_stride * t.element_size()) % 16:
             return False
     return True
 
 
-def default_schedule(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aux: torch.Tensor) -> str:
-    """Tensor-descriptor kernel on Hopper and newer when the layouts allow it; tiled pointer kernel elsewhere."""
-    if a.device.type == "cuda" and torch.cuda.get_device_capability(a.device) >= (9, 0) \
-            and tma_compatible(a, b, out, aux):
-        return "tma"
-    return "tiled"
+def _check_schedule(schedule: str) -> None:
+    if schedule not in ("auto", *SCHEDULES):
+        raise ValueError(f"fused_mlp: schedule must be 'auto' or one of {SCHEDULES}, got {schedule!r}")
+
+
+def resolve_schedule(schedule: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aux: torch.Tensor) -> str:
+    """The schedule a launch uses. "auto": the tensor-descriptor kernel on Hopper and newer, tiled elsewhere.
+    "tma" (asked for or chosen) falls back to "tiled" where descriptors cannot be used: layouts that are not
+    `tma_compatible` (a broadcast dy, say) or a CUDA GPU older than Hopper."""
+    _check_schedule(schedule)
+    hopper = a.device.type == "cuda" and torch.cuda.get_device_capability(a.device) >= (9, 0)
+    if schedule == "auto":
+        schedule = _HOPPER_DEFAULT if hopper else "tiled"
+    if schedule == "tma" and (not tma_compatible(a, b, out, aux) or (a.device.type == "cuda" and not hopper)):
+        return "tiled"
+    return schedule
 
 
 @functools.cache
@@ -69,11 +90,8 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-@functools.cache
-def _set_tma_allocator() -> None:
-    # Device-side tensor descriptors live in a small global scratch buffer that Triton asks the
-    # framework for; Inductor installs its own allocator for the launches it generates.
-    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, device="cuda", dtype=torch.int8))
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def launch_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aux: torch.Tensor, epilogue: int,
@@ -81,7 +99,7 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aux: torch.
     """out (and aux) [M, N] from a [M, K] · b [K, N] with the given `mlp_triton.EPILOGUE_*`.
 
     schedule: "tiled" (one program per tile), "persistent" or "tma" (`programs` looping programs,
-    default one per SM). out and aux must be contiguous; for "tiled"/"persistent" a and b may have any
+    default one per SM; 3 in the interpreter). out and aux must be contiguous; for "tiled"/"persistent" a and b may have any
     strides (b is usually a transposed view); "tma" needs `tma_compatible` layouts.
     """
     if schedule not in SCHEDULES:
@@ -101,16 +119,21 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aux: torch.
         return
     if schedule == "tma" and not tma_compatible(a, b, out, aux):
         raise ValueError("launch_gemm: the tma schedule needs 16-byte aligned, unit-last-stride tensors; "
-                         "hint: use default_schedule() to fall back to the tiled kernel")
-    if programs is None:
+                         "hint: resolve_schedule() falls back to the tiled kernel")
+    if programs is None and a.device.type == "cuda":
         programs = _sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device())
+    elif programs is None:
+        programs = _INTERPRETER_PROGRAMS
     if schedule == "persistent":
         wrap_triton(mlp_triton.mlp_gemm_persistent_kernel)[(programs,)](
             a, b, out, aux, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
             programs, EPILOGUE=epilogue, IEEE_FP32=ieee_fp32)
         return
     if a.device.type == "cuda":
-        _set_tma_allocator()
+        # Device-side descriptors live in a small global scratch buffer that Triton requests through an
+        # allocator held in a ContextVar, i.e. per thread: set it at every launch, because autograd runs
+        # the backward on its own device thread.
+        triton.set_allocator(_tma_scratch)
     b_k_major = b.stride(0) == 1 and b.stride(1) != 1  # b is a transposed view of a row-major [N, K]
     wrap_triton(mlp_triton.mlp_gemm_tma_kernel)[(programs,)](
         a, b, out, aux, M, N, K, a.stride(0), b.stride(1) if b_k_major else b.stride(0), out.stride(0),
@@ -118,7 +141,7 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aux: torch.
 
 
 @triton_op("mhcgolf::mlp_forward", mutates_args=())
-def mlp_forward(x2d: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+def mlp_forward(x2d: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, schedule: str
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, post, act_grad) for x2d [T, D]; post and act_grad are outputs only so autograd can save them."""
     if kernels_used_for(x2d):
@@ -126,7 +149,8 @@ def mlp_forward(x2d: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
         post = x2d.new_empty((x2d.shape[0], hidden))
         act_grad = x2d.new_empty((x2d.shape[0], hidden))
         b = w_up.t()
-        launch_gemm(x2d, b, post, act_grad, mlp_triton.EPILOGUE_ACTIVATION, default_schedule(x2d, b, post, act_grad))
+        launch_gemm(x2d, b, post, act_grad, mlp_triton.EPILOGUE_ACTIVATION,
+                    resolve_schedule(schedule, x2d, b, post, act_grad))
     else:
         pre = F.linear(x2d, w_up)
         post, act_grad = leaky_relu_sq(pre), leaky_relu_sq_grad(pre)
@@ -134,18 +158,18 @@ def mlp_forward(x2d: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
 
 
 @triton_op("mhcgolf::mlp_dpre", mutates_args=())
-def mlp_dpre(dy: torch.Tensor, w_down: torch.Tensor, act_grad: torch.Tensor) -> torch.Tensor:
+def mlp_dpre(dy: torch.Tensor, w_down: torch.Tensor, act_grad: torch.Tensor, schedule: str) -> torch.Tensor:
     """dpre = (dy · W_down) ⊙ act_grad for dy [T, D], W_down [D, H], act_grad [T, H]."""
     if not kernels_used_for(dy):
         return torch.mm(dy, w_down) * act_grad
     act_grad = act_grad.contiguous()  # the epilogue indexes act_grad and dpre with one row stride
     dpre = torch.empty_like(act_grad)
-    launch_gemm(dy, w_down, dpre, act_grad, mlp_triton.EPILOGUE_GRAD, default_schedule(dy, w_down, dpre, act_grad))
+    launch_gemm(dy, w_down, dpre, act_grad, mlp_triton.EPILOGUE_GRAD, resolve_schedule(schedule, dy, w_down, dpre, act_grad))
     return dpre
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x2d, w_up, w_down = inputs
+    x2d, w_up, w_down, ctx.schedule = inputs
     _, post, act_grad = output
     ctx.save_for_backward(x2d, w_up, w_down, post, act_grad)
     ctx.mark_non_differentiable(post, act_grad)
@@ -155,19 +179,19 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dy, _grad_post, _grad_act_grad):
     if dy is None:
-        return None, None, None
+        return None, None, None, None
     x2d, w_up, w_down, post, act_grad = ctx.saved_tensors
-    need_x, need_w_up, need_w_down = ctx.needs_input_grad
+    need_x, need_w_up, need_w_down, _ = ctx.needs_input_grad
     dx = dw_up = dw_down = None
     if need_w_down:
         dw_down = dy.t().mm(post)
     if need_x or need_w_up:
-        dpre = mlp_dpre(dy, w_down, act_grad)
+        dpre = mlp_dpre(dy, w_down, act_grad, ctx.schedule)
         if need_x:
             dx = dpre.mm(w_up)
         if need_w_up:
             dw_up = dpre.t().mm(x2d)
-    return dx, dw_up, dw_down
+    return dx, dw_up, dw_down, None
 
 
 mlp_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -187,8 +211,12 @@ def _check_inputs(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> 
                          f"hint: cast the weights (autocast does not reach this custom op)")
 
 
-def fused_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """leaky_relu(x·W_upᵀ, 0.5)²·W_downᵀ for x [..., D], w_up [H, D], w_down [D_out, H]; differentiable."""
+def fused_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, schedule: str = "auto") -> torch.Tensor:
+    """leaky_relu(x·W_upᵀ, 0.5)²·W_downᵀ for x [..., D], w_up [H, D], w_down [D_out, H]; differentiable.
+
+    schedule: "auto" (the measured best for the GPU) or one of SCHEDULES, for benchmarks and tests;
+    see `resolve_schedule`. Ignored where PyTorch ops compute the MLP (`kernels_used_for`)."""
     _check_inputs(x, w_up, w_down)
-    y, _, _ = mlp_forward(x.reshape(-1, x.shape[-1]), w_up, w_down)
+    _check_schedule(schedule)
+    y, _, _ = mlp_forward(x.reshape(-1, x.shape[-1]), w_up, w_down, schedule)
     return y.reshape(*x.shape[:-1], w_down.shape[0])

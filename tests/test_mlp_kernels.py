@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kernels import mlp, mlp_triton
 from kernels.mlp_reference import leaky_relu_sq, leaky_relu_sq_grad, mlp_reference
@@ -60,11 +61,11 @@ def reference_fp64(x, w_up, w_down, dy):
     return forward_backward(mlp_reference, x.double(), w_up.double(), w_down.double(), dy.double())
 
 
-def assert_matches_reference(x, w_up, w_down, tol: float, seed: int = 1):
+def assert_matches_reference(x, w_up, w_down, tol: float, seed: int = 1, schedule: str = "auto"):
     y_shape = (*x.shape[:-1], w_down.shape[0])
     dy = torch.randn(y_shape, generator=torch.Generator(device=x.device).manual_seed(seed), device=x.device)
     dy = dy.to(x.dtype)
-    got = forward_backward(mlp.fused_mlp, x, w_up, w_down, dy)
+    got = forward_backward(lambda *a: mlp.fused_mlp(*a, schedule=schedule), x, w_up, w_down, dy)
     want = reference_fp64(x, w_up, w_down, dy)
     for name, a, b in zip(("y", "dx", "dw_up", "dw_down"), got, want):
         assert a.shape == b.shape and a.dtype == x.dtype, name
@@ -77,6 +78,12 @@ def test_interpreter_matches_reference_fp32(interpreter, lead, d, h):
     x, w_up, w_down = make_inputs(lead, d, h, torch.float32)
     assert mlp.kernels_used_for(x)
     assert_matches_reference(x, w_up, w_down, tol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", mlp.SCHEDULES)
+def test_interpreter_every_schedule_through_fused_mlp(interpreter, schedule):
+    x, w_up, w_down = make_inputs((2, 23), 40, 72, torch.float32)  # 160- and 288-byte rows: TMA-compatible
+    assert_matches_reference(x, w_up, w_down, tol=1e-5, schedule=schedule)
 
 
 def test_interpreter_matches_reference_fp16(interpreter):
@@ -136,20 +143,29 @@ def test_interpreter_tma_epilogue_splits(interpreter, split, epilogue):
 def test_schedule_selection_and_errors():
     a, b, out, aux = epilogue_case(8, 16, 32, mlp_triton.EPILOGUE_ACTIVATION)
     assert mlp.tma_compatible(a, b, out, aux)
-    assert mlp.default_schedule(a, b, out, aux) == "tiled"  # CPU: the descriptor kernel is for Hopper
-    assert not mlp.tma_compatible(torch.randn(1, 16).expand(8, 16))  # broadcast rows (stride 0)
-    assert not mlp.tma_compatible(torch.randn(8, 5))  # 20-byte rows
+    assert mlp.resolve_schedule("auto", a, b, out, aux) == "tiled"  # CPU: the descriptor kernel is for Hopper
+    assert mlp.resolve_schedule("tma", a, b, out, aux) == "tma"  # the interpreter runs it when asked
+    broadcast = torch.randn(1, 8).expand(8, 8)  # rows of stride 0
+    assert not mlp.tma_compatible(broadcast) and not mlp.tma_compatible(torch.randn(8, 5))  # 20-byte rows
+    assert mlp.resolve_schedule("tma", broadcast, b, out, aux) == "tiled"
+    with FakeTensorMode():  # tracing: no data pointer, the storage offset decides
+        fake = torch.empty(8, 16)
+        assert mlp.tma_compatible(fake) and not mlp.tma_compatible(fake[:, 1:])
+    with pytest.raises(ValueError, match="schedule must be"):
+        mlp.fused_mlp(torch.randn(4, 16), torch.randn(32, 16), torch.randn(16, 32), schedule="fastest")
     with pytest.raises(ValueError, match="schedule must be one of"):
         mlp.launch_gemm(a, b, out, aux, mlp_triton.EPILOGUE_ACTIVATION, "fastest")
     with pytest.raises(ValueError, match="tma schedule needs"):
         mlp.launch_gemm(torch.randn(8, 5), torch.randn(5, 32), out, aux, mlp_triton.EPILOGUE_ACTIVATION, "tma")
 
 
-def test_interpreter_broadcast_grad_and_partial_requires_grad(interpreter):
-    """y.sum() gives a stride-0 dy; frozen weights must get no gradient and cost no work."""
+@pytest.mark.parametrize("schedule", ["auto", "tma"])
+def test_interpreter_broadcast_grad_and_partial_requires_grad(interpreter, schedule):
+    """y.sum() gives a stride-0 dy (the tma schedule falls back to tiled for it); frozen weights must get
+    no gradient and cost no work."""
     x, w_up, w_down = make_inputs((29,), 32, 48, torch.float32)
     x_leaf = x.clone().requires_grad_()
-    mlp.fused_mlp(x_leaf, w_up, w_down).sum().backward()
+    mlp.fused_mlp(x_leaf, w_up, w_down, schedule=schedule).sum().backward()
     x_ref = x.double().requires_grad_()
     mlp_reference(x_ref, w_up.double(), w_down.double()).sum().backward()
     assert rel_err(x_leaf.grad, x_ref.grad) < 1e-5
@@ -204,11 +220,12 @@ def test_compile_fullgraph_cpu_fallback():
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("schedule", mlp.SCHEDULES)
 @pytest.mark.parametrize("lead,d,h", [((4, 1037), 512, 1792), ((3001,), 384, 1000)])
-def test_gpu_bf16_matches_reference(lead, d, h):
+def test_gpu_bf16_matches_reference(lead, d, h, schedule):
     x, w_up, w_down = make_inputs(lead, d, h, torch.bfloat16, device="cuda")
     assert mlp.kernels_used_for(x)
-    assert_matches_reference(x, w_up, w_down, tol=1e-2)
+    assert_matches_reference(x, w_up, w_down, tol=1e-2, schedule=schedule)
 
 
 @pytest.mark.gpu
@@ -298,7 +315,8 @@ def test_bench_without_gpu_exits_with_message():
 def test_bench_runs_small_shape(capsys):
     from scripts import bench_mlp
     times = bench_mlp.main(["--tokens", "2048", "--d-model", "256", "--hidden", "512", "--rep-ms", "20"])
-    assert set(times) == {"fused kernel (eager)", "fused kernel (torch.compile)",
+    assert set(times) == {"fused, auto schedule (eager)", "fused, tiled (torch.compile)",
+                          "fused, persistent (torch.compile)", "fused, tma (torch.compile)",
                           "reference (torch.compile)", "reference (eager)"}
     assert all(ms > 0 for passes in times.values() for ms in passes.values())
     assert "speed vs compile" in capsys.readouterr().out
