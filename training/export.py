@@ -38,6 +38,12 @@ def reference_mlps(model: torch.nn.Module):
             m.use_kernel = s
 
 
+def table_patterns(model) -> tuple[str, ...]:
+    """2-D tensors that are not nn.Linear weights but are big enough to matter: the mHC projections
+    phi (n*C x (n^2+2n), ~1.08M values at the record size) are stored as int8 per-row tables, not fp16."""
+    return ("mhc.*.phi",) if any(name.endswith(".phi") for name, _ in model.named_parameters()) else ()
+
+
 def calibration_batches(cfg: Config, model, train_files: list[str], device: torch.device) -> list[torch.Tensor]:
     q, seq_len = cfg.quant, cfg.data.seq_len
     batch = min(8, q.calib_seqs)
@@ -67,7 +73,7 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
             batches = calibration_batches(cfg, model, train_files, device)
             t_calib_data = time.perf_counter() - t0
             report = export_artifact(model, batches, str(artifact_path), meta, budget, method=cfg.quant.method,
-                                     log=log)
+                                     log=log, table_patterns=table_patterns(model))
         seconds = time.perf_counter() - t0
         log(f"phase quantize+export {seconds:.1f} s (calibration data {t_calib_data:.1f} s; "
             f"reserve {cfg.quant.calib_reserve_s} s)")
