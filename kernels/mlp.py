@@ -11,8 +11,8 @@ triton_op registers the op body itself as the fake (meta) implementation. Autogr
 `register_autograd` on the forward op.
 
 Where the kernels run: CUDA tensors always; CPU fp32/fp16 tensors when `kernels/mlp_triton.py` was
-imported with TRITON_INTERPRET=1 (the Triton interpreter). Anything else (plain CPU, bf16 on the
-interpreter, no Triton installed) computes the same function with PyTorch ops.
+imported with TRITON_INTERPRET=1 (the Triton interpreter), outside torch.compile tracing. Anything else
+(plain CPU, bf16 on the interpreter, no Triton installed) computes the same function with PyTorch ops.
 """
 from __future__ import annotations
 
@@ -42,7 +42,17 @@ def kernels_used_for(t: torch.Tensor) -> bool:
         return False
     if t.device.type == "cuda":
         return True
-    return t.device.type == "cpu" and mlp_triton.kernels_interpreted() and t.dtype in _INTERPRETER_DTYPES
+    # The interpreter needs real data, so while torch.compile traces (fake tensors) CPU uses PyTorch ops.
+    return (t.device.type == "cpu" and mlp_triton.kernels_interpreted() and t.dtype in _INTERPRETER_DTYPES
+            and _has_data(t))
+
+
+def _has_data(t: torch.Tensor) -> bool:
+    try:
+        t.data_ptr()
+    except RuntimeError:  # FakeTensor / FunctionalTensor
+        return False
+    return True
 
 
 SCHEDULES = ("tiled", "persistent", "tma")

@@ -21,20 +21,34 @@ from kernels.mlp_reference import leaky_relu_sq, leaky_relu_sq_grad, mlp_referen
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.fixture
-def interpreter():
+def kernels_built_with(interpret: bool):
+    """Reload kernels.mlp_triton with TRITON_INTERPRET set or unset (another test module may have set it
+    for the whole process), then restore the variable and the kernels as they were."""
     saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
     try:
         importlib.reload(mlp_triton)
-        assert mlp_triton.kernels_interpreted(), "TRITON_INTERPRET=1 did not give interpreted kernels"
+        assert mlp_triton.kernels_interpreted() == interpret, "TRITON_INTERPRET did not take effect"
         yield
     finally:
         if saved is None:
-            del os.environ["TRITON_INTERPRET"]
+            os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = saved
         importlib.reload(mlp_triton)
+
+
+@pytest.fixture
+def interpreter():
+    yield from kernels_built_with(interpret=True)
+
+
+@pytest.fixture
+def no_interpreter():
+    yield from kernels_built_with(interpret=False)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -172,7 +186,7 @@ def test_interpreter_broadcast_grad_and_partial_requires_grad(interpreter, sched
     assert w_up.grad is None and w_down.grad is None
 
 
-def test_cpu_without_interpreter_uses_pytorch_ops():
+def test_cpu_without_interpreter_uses_pytorch_ops(no_interpreter):
     x, w_up, w_down = make_inputs((3, 7), 16, 40, torch.float32)
     assert not mlp_triton.kernels_interpreted() and not mlp.kernels_used_for(x)
     assert_matches_reference(x, w_up, w_down, tol=1e-5)
@@ -206,7 +220,13 @@ def block_with_mlp(mlp_fn, x, w_up, w_down):
     return (x + mlp_fn(F.rms_norm(x, (x.shape[-1],)), w_up, w_down) * 0.5).square().mean()
 
 
-def test_compile_fullgraph_cpu_fallback():
+@pytest.fixture(params=[False, True], ids=["plain", "interpreter"])
+def either_kernel_build(request):
+    yield from kernels_built_with(interpret=request.param)
+
+
+def test_compile_fullgraph_cpu_fallback(either_kernel_build):
+    """On CPU the compiled graph computes the MLP with PyTorch ops, also when the interpreter is on."""
     torch._dynamo.reset()
     x, w_up, w_down = make_inputs((2, 11), 32, 64, torch.float32)
     compiled = torch.compile(lambda *a: block_with_mlp(mlp.fused_mlp, *a), fullgraph=True, backend="aot_eager")
