@@ -20,6 +20,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.library import triton_op, wrap_triton
 
 from kernels.mlp_reference import leaky_relu_sq, leaky_relu_sq_grad
@@ -48,9 +50,12 @@ def kernels_used_for(t: torch.Tensor) -> bool:
 
 
 def _has_data(t: torch.Tensor) -> bool:
+    """False for the stand-ins torch.compile traces with, which have no memory behind them."""
+    if isinstance(t, (FakeTensor, FunctionalTensor)):
+        return False
     try:
         t.data_ptr()
-    except RuntimeError:  # FakeTensor / FunctionalTensor
+    except RuntimeError:  # other tensor subclasses without storage
         return False
     return True
 
@@ -60,12 +65,11 @@ _HOPPER_DEFAULT = "tma"
 
 
 def _byte_address(t: torch.Tensor) -> int:
-    try:
+    if _has_data(t):
         return t.data_ptr()
-    except RuntimeError:
-        # FakeTensor / FunctionalTensor while tracing: no address yet. PyTorch's allocators align storages
-        # to at least 16 bytes, so the storage offset decides.
-        return t.storage_offset() * t.element_size()
+    # Tracing: no address yet. PyTorch's allocators align storages to at least 16 bytes, so the storage
+    # offset decides.
+    return t.storage_offset() * t.element_size()
 
 
 def tma_compatible(*tensors: torch.Tensor) -> bool:
