@@ -23,6 +23,7 @@ from data.shards import list_shards
 from data.tokenizer import build_byte_lut, file_sha256
 from model.gpt import GPT
 from scripts.evaluate import evaluate_artifact
+from training.checkpoint import Checkpointer, Resumed, load_checkpoint, resolve_resume
 from training.config import Config, load_config, to_dict
 from training.distributed import destroy, init_distributed
 from training.ema import maybe_ema
@@ -95,6 +96,14 @@ def main(argv=None) -> dict:
     if cfg.train.compile:
         warm_up_compile(step_model, model, loader, optimizers, cfg, grad_accum_steps(cfg, dist.world_size), device, log)
     ema = maybe_ema(model, cfg.optim)
+    ckpt_dir = REPO / cfg.train.out_dir / "checkpoints" / run_id
+    checkpointer = Checkpointer(ckpt_dir, cfg.train.checkpoint_every, cfg.train.checkpoint_keep, dist.rank,
+                                dist.world_size)
+    start = Resumed(step=0, train_time_s=0.0)
+    resume_from = resolve_resume(cfg.train.resume, ckpt_dir)
+    if resume_from is not None:
+        start = load_checkpoint(resume_from, model, optimizers, ema, loader, dist.rank, dist.world_size)
+        log(f"resumed from {resume_from}: step {start.step}, {start.train_time_s:.1f} s of training done")
 
     def evaluate(m=model) -> dict:
         return evaluate_bpb(m, val_tokens, lut, context=cfg.eval.context, stride=cfg.eval.stride,
@@ -103,7 +112,17 @@ def main(argv=None) -> dict:
                             rank=dist.rank, world_size=dist.world_size)
 
     budget = cfg.train.time_budget_s - cfg.quant.calib_reserve_s if cfg.train.time_budget_s else 0.0
-    result = run_training(cfg, model, step_model, loader, optimizers, ema, dist, log, evaluate, budget)
+    checkpointer.install_signal_handlers()
+    try:
+        result = run_training(cfg, model, step_model, loader, optimizers, ema, dist, log, evaluate, budget,
+                              start=start, checkpointer=checkpointer)
+    finally:
+        checkpointer.restore_signal_handlers()
+    if result.stopped_by == "signal":
+        log(f"stopped by a signal at step {result.steps}; continue with train.resume=latest train.run_id={run_id}")
+        loader.close()
+        destroy()
+        raise SystemExit(143)
     loader.close()
     log(f"phase training {result.train_time_s:.1f} s, {result.steps} steps, stopped by {result.stopped_by}")
     if ema is not None:

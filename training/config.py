@@ -77,6 +77,9 @@ class TrainConfig:
     schedule: str = "steps"            # steps | time : what drives warmdown progress
     compile: bool = False              # torch.compile the model (GPU)
     log_every: int = 10
+    checkpoint_every: int = 0          # steps between checkpoints (0: only when SIGTERM/SIGINT arrives)
+    checkpoint_keep: int = 2           # newest checkpoints kept in <out_dir>/checkpoints/<run_id>/
+    resume: str = ""                   # '' | latest | <checkpoint dir>; 'latest' needs a fixed train.run_id
     log_dir: str = "logs"
     out_dir: str = "runs"
     wandb: bool = False
@@ -182,6 +185,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"quant.calib_source={cfg.quant.calib_source!r}: expected 'train' or 'generated'")
     if t.time_budget_s and cfg.quant.calib_reserve_s >= t.time_budget_s:
         raise ConfigError(f"quant.calib_reserve_s={cfg.quant.calib_reserve_s} must be < train.time_budget_s")
+    if t.resume == "latest" and not t.run_id:
+        raise ConfigError("train.resume=latest needs train.run_id=NAME (the default run id is new every run)")
+    if t.checkpoint_keep < 1:
+        raise ConfigError(f"train.checkpoint_keep={t.checkpoint_keep} must be >= 1")
     if t.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"train.device={t.device!r}: expected auto, cpu or cuda")
 

@@ -6,6 +6,7 @@ never inside the step itself.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from training.checkpoint import Checkpointer, Resumed
 from training.config import Config
 from training.distributed import DistInfo, optimizer_step
 from training.optim import set_lr_and_momentum
@@ -28,7 +30,7 @@ class TrainResult:
     steps: int
     train_time_s: float
     tokens: int
-    stopped_by: str            # "max_steps" | "time_budget"
+    stopped_by: str            # "max_steps" | "time_budget" | "signal"
 
 
 def grad_accum_steps(cfg: Config, world_size: int) -> int:
@@ -71,23 +73,29 @@ def run_training(
     log,
     evaluate: Callable[[], dict] | None = None,
     time_budget_s: float | None = None,
+    start: Resumed = Resumed(step=0, train_time_s=0.0),
+    checkpointer: Checkpointer | None = None,
 ) -> TrainResult:
-    """Train until train.max_steps or the wall-clock budget (time spent evaluating is not counted)."""
+    """Train until train.max_steps, the wall-clock budget, or a stop signal (after a checkpoint).
+    Time spent evaluating or checkpointing is not counted as training time."""
     t = cfg.train
     accum = grad_accum_steps(cfg, dist.world_size)
     budget = t.time_budget_s if time_budget_s is None else time_budget_s
     tokens_per_step = t.batch_tokens
+    flops_per_step = training_flops_per_token(model, cfg) * tokens_per_step
+    peak = peak_flops(dist.device) * dist.world_size
     log(f"training: {accum} micro-steps of {t.micro_batch_seqs}x{cfg.data.seq_len} tokens on "
         f"{dist.world_size} rank(s) = {tokens_per_step:,} tokens/step; budget {budget or 'none'} s, "
-        f"max {t.max_steps} steps")
+        f"max {t.max_steps} steps" + (f"; resuming at step {start.step}" if start.step else ""))
     cuda = torch.device(dist.device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    step, stopped_by, paused = 0, "max_steps", 0.0
-    last_log_time, last_log_step = 0.0, 0
+    bar = ProgressBar(enabled=log.enabled and sys.stdout.isatty())
+    completed, stopped_by, paused = start.step, "max_steps", 0.0
+    last_log_time, last_log_step = start.train_time_s, start.step
     sync()
-    t_start = time.perf_counter()
+    t_start = time.perf_counter() - start.train_time_s
     clock = lambda: time.perf_counter() - t_start - paused  # noqa: E731  (training wall clock)
-    for step in range(t.max_steps):
+    for step in range(start.step, t.max_steps):
         # No sync here: the CPU runs at most a few steps ahead of the GPU (bounded launch queue),
         # and every log step below syncs, so the budget is met to within a step or two.
         train_time = clock()
@@ -100,27 +108,86 @@ def run_training(
         loss = train_step(step_model, loader, optimizers, cfg, accum, dist.device)
         if ema is not None:
             ema.update(model, step)
-        if (step + 1) % t.log_every == 0 or step == 0 or step + 1 == t.max_steps:
-            loss_val = loss.item()  # the only host sync of a logging step
+        completed = step + 1
+        if completed % t.log_every == 0 or step == start.step or completed == t.max_steps:
+            loss_val = check_finite(loss, completed)  # the only host sync of a logging step
             train_time = clock()
-            if not math.isfinite(loss_val):
-                raise DivergenceError(f"loss is {loss_val} at step {step + 1} (hint: lower optim.matrix_lr "
-                                      "or optim.grad_clip; the last checkpoint is untouched)")
-            tok_s = (step + 1 - last_log_step) * tokens_per_step / max(train_time - last_log_time, 1e-9)
-            done = min(train_time / budget, 1.0) if budget else 0.0
-            done = max(done, (step + 1) / t.max_steps)
-            eta = train_time / done - train_time
-            log.record("step", step=step + 1, loss=round(loss_val, 5), lr_mult=round(lr_mult, 5),
-                       tok_s=round(tok_s), train_time_s=round(train_time, 2), done_pct=round(100 * done, 1),
-                       eta_s=round(eta, 1))
-            last_log_time, last_log_step = train_time, step + 1
-        if evaluate is not None and cfg.eval.every_steps and (step + 1) % cfg.eval.every_steps == 0:
+            tok_s = (completed - last_log_step) * tokens_per_step / max(train_time - last_log_time, 1e-9)
+            done = max(min(train_time / budget, 1.0) if budget else 0.0, completed / t.max_steps)
+            fields = dict(step=completed, loss=round(loss_val, 5), lr_mult=round(lr_mult, 5), tok_s=round(tok_s),
+                          train_time_s=round(train_time, 2), done_pct=round(100 * done, 1),
+                          eta_s=round(train_time / done - train_time, 1))
+            if peak:
+                fields["mfu_pct"] = round(100 * flops_per_step * tok_s / tokens_per_step / peak, 1)
+            bar.clear()
+            log.record("step", **fields)
+            bar.show(fields)
+            last_log_time, last_log_step = train_time, completed
+        if evaluate is not None and cfg.eval.every_steps and completed % cfg.eval.every_steps == 0:
             sync()
             e0 = time.perf_counter()
             result = evaluate()
             paused += time.perf_counter() - e0
-            log.record("eval", step=step + 1, train_time_s=round(clock(), 2), **result)
-    else:
-        step = t.max_steps
+            bar.clear()
+            log.record("eval", step=completed, train_time_s=round(clock(), 2), **result)
+        if checkpointer is not None and checkpointer.should_save(completed):
+            check_finite(loss, completed)  # never overwrite a good checkpoint with a diverged model
+            sync()
+            c0 = time.perf_counter()
+            path = checkpointer.save(completed, clock(), model, optimizers, ema, loader)
+            paused += time.perf_counter() - c0
+            log(f"checkpoint {path} (step {completed}, {time.perf_counter() - c0:.1f} s)")
+            if checkpointer.stop_requested:
+                stopped_by = "signal"
+                break
     sync()
-    return TrainResult(steps=step, train_time_s=clock(), tokens=step * tokens_per_step, stopped_by=stopped_by)
+    bar.clear()
+    return TrainResult(steps=completed, train_time_s=clock(), tokens=completed * tokens_per_step,
+                       stopped_by=stopped_by)
+
+
+def check_finite(loss: torch.Tensor, step: int) -> float:
+    value = loss.item()
+    if not math.isfinite(value):
+        raise DivergenceError(f"loss is {value} at step {step} (hint: lower optim.matrix_lr or "
+                              "optim.grad_clip, and resume from the last checkpoint, which is untouched)")
+    return value
+
+
+def training_flops_per_token(model: torch.nn.Module, cfg: Config) -> float:
+    """6 x (matrix + tied-head parameters) + causal attention (6 x layers x seq_len x d_model)."""
+    groups = model.param_groups()
+    matmul_params = sum(p.numel() for p in groups["matrix"]) + model.embed.weight.numel()
+    return 6.0 * matmul_params + 6.0 * cfg.model.n_layers * cfg.data.seq_len * cfg.model.d_model
+
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, per GPU
+
+
+def peak_flops(device) -> float:
+    """Dense bf16 peak of known GPUs (0 when unknown: no MFU is reported)."""
+    if torch.device(device).type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), 0.0)
+
+
+class ProgressBar:
+    """A one-line live bar on a terminal (rank 0); plain step lines go to the log either way."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def show(self, f: dict) -> None:
+        if not self.enabled:
+            return
+        filled = int(f["done_pct"] / 5)
+        mfu = f" mfu {f['mfu_pct']}%" if "mfu_pct" in f else ""
+        sys.stdout.write(f"\r[{'#' * filled}{'.' * (20 - filled)}] {f['done_pct']:5.1f}% step {f['step']} "
+                         f"loss {f['loss']:.4f} {f['tok_s']:,} tok/s{mfu} eta {f['eta_s']:.0f}s ")
+        sys.stdout.flush()
+
+    def clear(self) -> None:
+        if self.enabled:
+            sys.stdout.write("\r\033[K")
+            sys.stdout.flush()

@@ -1,0 +1,115 @@
+"""Resume continues exactly: straight runs and killed-then-resumed runs give identical losses."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from data.demo import make_demo
+from training.checkpoint import complete_checkpoints, resolve_resume
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt_demo")
+    make_demo(out, seed=1, train_docs=600, val_docs=20)
+    return out
+
+
+def args(data: Path, tmp: Path, run_id: str, *extra: str) -> list[str]:
+    return [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/demo.toml"),
+            f"data.train_files={data}/fineweb_train_*.bin", f"data.val_files={data}/fineweb_val_*.bin",
+            f"data.tokenizer={data}/tokenizer.model", "data.seq_len=32", "model.n_layers=2", "model.d_model=32",
+            "model.n_heads=2", "model.n_kv_heads=1", "train.batch_tokens=256", "train.micro_batch_seqs=8",
+            "train.max_steps=14", "train.time_budget_s=0", "train.schedule=steps", "train.log_every=1",
+            "eval.context=32", "eval.stride=0", "eval.max_tokens=1000", "eval.pre_quant=false",
+            "quant.calib_seqs=2", "quant.calib_reserve_s=0", "quant.method=rtn",
+            f"train.log_dir={tmp}/logs", f"train.out_dir={tmp}/runs", f"train.run_id={run_id}", *extra]
+
+
+def step_losses(log: Path) -> dict[int, float]:
+    out = {}
+    for line in log.read_text().splitlines():
+        if line.startswith("step "):
+            rec = json.loads(line[5:])
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def final(log: Path) -> dict:
+    return json.loads([x for x in log.read_text().splitlines() if x.startswith("final ")][-1][6:])
+
+
+def run(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def wait_for_step(log: Path, proc: subprocess.Popen, step: int) -> None:
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if log.exists() and step in step_losses(log):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"run never reached step {step} (exit code {proc.poll()})")
+
+
+@pytest.mark.slow
+def test_kill_9_between_checkpoints_then_resume_matches_straight_run(corpus, tmp_path):
+    run(args(corpus, tmp_path, "straight"))
+    straight = tmp_path / "logs/straight.txt"
+    ref = step_losses(straight)
+    proc = subprocess.Popen(args(corpus, tmp_path, "killed", "train.checkpoint_every=5"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_step(tmp_path / "logs/killed.txt", proc, 7)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    ckpts = complete_checkpoints(tmp_path / "runs/checkpoints/killed")
+    assert ckpts, "a checkpoint was written at step 5 before the kill"
+    resumed_at = int(ckpts[-1].name.split("_")[1])
+    run(args(corpus, tmp_path, "killed", "train.checkpoint_every=5", "train.resume=latest"))
+    after = {s: v for s, v in step_losses(tmp_path / "logs/killed.txt").items() if s > resumed_at}
+    assert after and all(after[s] == ref[s] for s in after), (resumed_at, after, ref)
+    assert max(after) == 14
+    assert final(tmp_path / "logs/killed.txt")["val_bpb"] == final(straight)["val_bpb"]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_exits_then_resume_continues(corpus, tmp_path):
+    run(args(corpus, tmp_path, "straight"))
+    ref = step_losses(tmp_path / "logs/straight.txt")
+    proc = subprocess.Popen(args(corpus, tmp_path, "term"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_for_step(tmp_path / "logs/term.txt", proc, 3)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143, proc.stderr.read()[-2000:]
+    ckpts = complete_checkpoints(tmp_path / "runs/checkpoints/term")
+    assert len(ckpts) == 1
+    stopped_at = int(ckpts[0].name.split("_")[1])
+    run(args(corpus, tmp_path, "term", "train.resume=latest"))
+    after = {s: v for s, v in step_losses(tmp_path / "logs/term.txt").items() if s > stopped_at}
+    assert after and all(after[s] == ref[s] for s in after)
+
+
+def test_checkpoints_keep_only_the_newest_and_ignore_unfinished(tmp_path):
+    import torch
+    from training.checkpoint import Checkpointer
+
+    class Dummy:
+        def state_dict(self):
+            return {"w": torch.ones(2)}
+
+    ck = Checkpointer(tmp_path, every_steps=2, keep=2, rank=0, world_size=1)
+    for step in (2, 4, 6):
+        ck.save(step, float(step), Dummy(), [], None, type("L", (), {"state_dict": lambda self: {"pos": step}})())
+    (tmp_path / "step_00000008.tmp").mkdir()  # an interrupted write
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_00000004", "step_00000006"]
+    assert resolve_resume("latest", tmp_path).name == "step_00000006"
+    assert resolve_resume("", tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="train.resume"):
+        resolve_resume(str(tmp_path / "nope"), tmp_path)

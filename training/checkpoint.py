@@ -1,0 +1,128 @@
+"""Checkpoints that let a run continue exactly: model, optimizers, EMA, loader cursor, RNG, step, clock.
+
+Layout: <dir>/step_<N>/rank<r>.pt, one file per rank (Muon's momentum is sharded: each rank owns
+part of it), written as `step_<N>.tmp/` and renamed by rank 0 once every rank has written, so a
+killed run never leaves a directory that looks complete. Only the last `keep` are kept.
+
+Checkpoints are not artifacts: they hold optimizer state for resuming, and are loaded with
+`torch.load(weights_only=True)`, which refuses anything but tensors and plain containers.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+@dataclass
+class Resumed:
+    step: int
+    train_time_s: float
+
+
+def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """Finished checkpoint directories, oldest first (a `.tmp` one is an interrupted write)."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [p for p in ckpt_dir.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def resolve_resume(resume: str, ckpt_dir: Path) -> Path | None:
+    """train.resume: '' (fresh run), 'latest' (newest complete checkpoint of this run, if any) or a path."""
+    if not resume:
+        return None
+    if resume == "latest":
+        done = complete_checkpoints(ckpt_dir)
+        return done[-1] if done else None
+    path = Path(resume)
+    if not path.is_dir() or not STEP_DIR.match(path.name):
+        raise FileNotFoundError(f"train.resume={resume!r}: expected 'latest' or a checkpoint directory "
+                                f"named step_NNNNNNNN (hint: ls {ckpt_dir})")
+    return path
+
+
+class Checkpointer:
+    """Saves every `every_steps` steps and when SIGTERM/SIGINT arrives (at the next step boundary)."""
+
+    def __init__(self, ckpt_dir: Path, every_steps: int, keep: int, rank: int, world_size: int):
+        self.dir, self.every, self.keep = ckpt_dir, every_steps, keep
+        self.rank, self.world = rank, world_size
+        self.stop_requested = False
+        self._previous_handlers = {}
+
+    def install_signal_handlers(self) -> None:
+        def request_stop(signum, frame):
+            self.stop_requested = True
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous_handlers[sig] = signal.signal(sig, request_stop)
+
+    def restore_signal_handlers(self) -> None:
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+
+    def should_save(self, step: int) -> bool:
+        return (self.every > 0 and step % self.every == 0) or self.stop_requested
+
+    def save(self, step: int, train_time_s: float, model, optimizers, ema, loader) -> Path:
+        final = self.dir / f"step_{step:08d}"
+        tmp = self.dir / f"step_{step:08d}.tmp"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        state = {
+            "step": step, "train_time_s": train_time_s, "world_size": self.world,
+            "optimizers": [o.state_dict() for o in optimizers],
+            "loader": loader.state_dict(),
+            "rng_cpu": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["rng_cuda"] = torch.cuda.get_rng_state()
+        if self.rank == 0:  # replicated state: once is enough
+            state["model"] = model.state_dict()
+            if ema is not None:
+                state["ema"] = ema.state_dict()
+        part = tmp / f"rank{self.rank}.pt"
+        torch.save(state, str(part) + ".part")
+        os.replace(str(part) + ".part", part)
+        self._barrier()
+        if self.rank == 0:
+            os.replace(tmp, final)
+            for old in complete_checkpoints(self.dir)[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        self._barrier()
+        return final
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+def load_checkpoint(path: Path, model, optimizers, ema, loader, rank: int, world_size: int) -> Resumed:
+    """Restore everything `Checkpointer.save` wrote; the world size must match (Muon's shards)."""
+    own = torch.load(path / f"rank{rank}.pt", map_location="cpu", weights_only=True)
+    if own["world_size"] != world_size:
+        raise ValueError(f"{path}: written by {own['world_size']} rank(s), resuming on {world_size} "
+                         "(hint: resume with the same --nproc_per_node)")
+    shared = own if rank == 0 else torch.load(path / "rank0.pt", map_location="cpu", weights_only=True)
+    model.load_state_dict(shared["model"])
+    for opt, state in zip(optimizers, own["optimizers"], strict=True):
+        opt.load_state_dict(state)
+    if ema is not None:
+        if "ema" not in shared:
+            raise ValueError(f"{path}: has no EMA state but optim.ema_decay > 0")
+        ema.load_state_dict(shared["ema"])
+    loader.load_state_dict(own["loader"])
+    torch.set_rng_state(own["rng_cpu"])
+    if "rng_cuda" in own and torch.cuda.is_available():
+        torch.cuda.set_rng_state(own["rng_cuda"])
+    return Resumed(step=int(own["step"]), train_time_s=float(own["train_time_s"]))
