@@ -20,14 +20,14 @@ import torch.distributed
 
 from data.loader import TokenLoader, load_tokens
 from data.shards import list_shards
-from data.tokenizer import build_byte_lut, file_sha256
+from data.tokenizer import build_byte_lut, file_sha256, load_sp
 from model.gpt import GPT
 from scripts.evaluate import evaluate_artifact
 from training.checkpoint import Checkpointer, Resumed, load_checkpoint, resolve_resume
 from training.config import Config, load_config, to_dict
 from training.distributed import destroy, init_distributed
 from training.ema import maybe_ema
-from training.evaluate import evaluate_bpb
+from training.evaluate import audit_bytes, evaluate_bpb
 from training.export import export_model
 from training.optim import build_optimizers
 from training.run_log import RunLog, git_commit, maybe_wandb, versions
@@ -91,6 +91,15 @@ def main(argv=None) -> dict:
     if cfg.eval.max_tokens:
         val_tokens = val_tokens[:cfg.eval.max_tokens]
     lut = build_byte_lut(cfg.data.tokenizer)
+    if len(lut.base_bytes) != cfg.model.vocab_size:
+        raise SystemExit(f"{cfg.data.tokenizer} has {len(lut.base_bytes)} ids but model.vocab_size="
+                         f"{cfg.model.vocab_size} (hint: set model.vocab_size={len(lut.base_bytes)})")
+    if dist.rank == 0:  # BPB's denominator must be the decoded text's UTF-8 length, exactly
+        counted, decoded = audit_bytes(val_tokens, load_sp(cfg.data.tokenizer), lut)
+        if counted != decoded:
+            raise SystemExit(f"byte accounting mismatch on the validation tokens: counted {counted:,}, "
+                             f"decoded text has {decoded:,} UTF-8 bytes (hint: tokenizer/shard mismatch?)")
+        log(f"byte audit: {counted:,} bytes counted = UTF-8 length of the decoded validation text")
     step_model = torch.compile(model) if cfg.train.compile else model
     log(f"phase setup {time.perf_counter() - t_setup:.1f} s")
     if cfg.train.compile:

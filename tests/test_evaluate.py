@@ -7,7 +7,9 @@ import torch
 import torch.nn as nn
 
 from data.tokenizer import ByteLUT
-from training.evaluate import evaluate_bpb, plan_windows, target_bytes
+from pathlib import Path
+
+from training.evaluate import audit_bytes, evaluate_bpb, plan_windows, target_bytes
 
 
 @pytest.mark.parametrize("n,context,stride", [(1000, 128, 32), (1000, 128, 0), (50, 128, 64), (129, 128, 128),
@@ -81,3 +83,27 @@ def test_uniform_model_scores_log2_vocab_bits_per_token():
     tokens = np.random.default_rng(1).integers(4, 32, size=200).astype(np.uint16)
     r = evaluate_bpb(Uniform(), tokens, simple_lut(32), context=16, stride=8, batch_seqs=4, device=torch.device("cpu"))
     assert r["val_bpb"] == pytest.approx(5.0 * r["tokens"] / r["bytes"])
+
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def test_byte_audit_on_real_text_with_the_official_tokenizer():
+    tok = SHARED / "tokenizers" / "fineweb_1024_bpe.model"
+    corpus = SHARED / "corpus" / "dev_val_fineweb.jsonl.xz"
+    if not tok.exists() or not corpus.exists():
+        pytest.skip(f"shared data absent ({SHARED})")
+    from data.tokenizer import build_byte_lut, iter_texts, load_sp
+    sp = load_sp(str(tok))
+    ids = []
+    for i, text in enumerate(iter_texts([str(corpus)])):
+        ids += [1] + sp.encode(text)
+        if i == 60:
+            break
+    tokens = np.array(ids, dtype=np.uint16)
+    counted, decoded = audit_bytes(tokens, sp, build_byte_lut(sp))
+    assert counted == decoded > 50_000
+    # and a wrong LUT is caught: a leading space counted twice (a bug that sank a real submission)
+    lut = build_byte_lut(sp)
+    broken = ByteLUT(lut.base_bytes + lut.has_leading_space, lut.has_leading_space, lut.is_boundary)
+    assert audit_bytes(tokens, sp, broken)[0] != decoded
