@@ -153,27 +153,33 @@ class TokenLoader:
 
     def _start_producer(self, state: dict) -> None:
         self._producer_state = state
+        self._taken = 0
         if self.prefetch == 0:
             return
-        self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        # A slot frees only when next_batch() returns, not when it takes a batch from the queue: the
+        # producer then does its (GIL-holding) work during the caller's step instead of competing with
+        # next_batch()'s own device calls for the GIL.
+        self._queue: queue.Queue = queue.Queue()
+        self._slots = threading.Semaphore(self.prefetch)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce_forever, args=(self._queue, self._stop, state),
-                                        name="TokenLoader", daemon=True)
+        self._thread = threading.Thread(target=self._produce_forever, name="TokenLoader", daemon=True,
+                                        args=(self._queue, self._slots, self._stop, state))
         self._thread.start()
 
-    def _produce_forever(self, q: queue.Queue, stop: threading.Event, state: dict) -> None:
+    def _produce_forever(self, q: queue.Queue, slots: threading.Semaphore, stop: threading.Event,
+                         state: dict) -> None:
         try:
             if self._pin:  # else pinning from this thread would open a CUDA context on GPU 0 in every rank
                 torch.cuda.set_device(self.device)
-            while not stop.is_set():
+            while True:
+                while not slots.acquire(timeout=0.05):
+                    if stop.is_set():
+                        return
+                if stop.is_set():
+                    return
                 item = self._produce_one(state)
                 state = item[1]
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.05)
-                        break
-                    except queue.Full:
-                        continue
+                q.put(item)
         except BaseException as exc:  # handed to the consumer, who re-raises it
             q.put(exc)
 
@@ -191,7 +197,14 @@ class TokenLoader:
         item = self._queue.get()
         if isinstance(item, BaseException):
             raise RuntimeError("TokenLoader: the prefetch thread failed") from item
+        self._taken += 1
         return item
+
+    def _free_slots(self) -> None:
+        if self._thread is not None:
+            for _ in range(self._taken):
+                self._slots.release()
+        self._taken = 0
 
     # ----- delivery -----
 
@@ -217,6 +230,7 @@ class TokenLoader:
             x.record_stream(current)  # the allocator must not reuse these while the step still reads them
             y.record_stream(current)
         self._consumed = state
+        self._free_slots()
         return x, y
 
     @property
