@@ -1,0 +1,289 @@
+"""The artifact file: a versioned, hashed, pickle-free container of quantized weights.
+
+Layout (all integers little-endian):
+    magic        8 bytes  b"MHCGOLF\\x00"
+    version      u32      FORMAT_VERSION
+    header_len   u32      bytes of the JSON header
+    payload_len  u64      bytes of the payload
+    header       JSON (UTF-8): {"codec", "meta", "tensors": [entry, ...]}
+    payload      one independently compressed chunk per tensor, in table order, back to back
+    sha256       32 bytes over everything above
+Entry: name, shape, offset/nbytes (the chunk in the payload), raw_nbytes (decompressed) and either
+kind "quant" (bits, layout, scale_offset: codes first, then byte-shuffled fp16 scales) or kind
+"array" (dtype; stored as-is: the exporter picks fp16/fp32).
+
+Per-tensor chunks instead of one compressed stream: measured on brotli-11 the total differs by bytes
+(brotli's window is a few MB anyway), and it makes the artifact size exactly additive, so the bit
+allocator can price every (tensor, width) once and build candidate artifacts from cached chunks.
+
+Loading never executes code: only struct, json, numpy.frombuffer and the decompressor touch the bytes,
+and the hash is checked before anything is parsed. The sha256 detects corruption and truncation, not a
+deliberate forgery (anyone can recompute it); structure checks still bound what a forged file can do.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import os
+import struct
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from quant.pack import LAYOUTS, WIDTHS, QuantizedTensor, decode_codes, decode_scales, encode_codes, \
+    encode_scales, encoded_codes_size
+
+MAGIC = b"MHCGOLF\x00"
+FORMAT_VERSION = 1
+CODECS = ("brotli", "lzma")
+ARRAY_DTYPES = ("float16", "float32", "int32", "int64", "bool")
+_PREFIX = struct.Struct("<8sIIQ")
+_HASH_LEN = 32
+
+
+class ArtifactError(ValueError):
+    """An artifact file is malformed, truncated, corrupted or of an unknown version."""
+
+
+# -- codecs -------------------------------------------------------------------------------------------
+
+def _brotli():
+    try:
+        import brotli
+    except ImportError as exc:  # the GPU machines may lack it: say what to do instead
+        raise RuntimeError("the brotli module is not installed; hint: `pip install brotli`, "
+                           "or write the artifact with codec='lzma'") from exc
+    return brotli
+
+
+def compress(data: bytes, codec: str) -> bytes:
+    if codec == "brotli":
+        return _brotli().compress(data, quality=11)
+    if codec == "lzma":
+        return lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)
+    raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+
+
+def decompress(data: bytes, codec: str) -> bytes:
+    if codec == "brotli":
+        return _brotli().decompress(data)
+    if codec == "lzma":
+        return lzma.decompress(data)
+    raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+
+
+# -- writing ------------------------------------------------------------------------------------------
+
+def encode_tensor(name: str, value, layout: str) -> tuple[dict, bytes]:
+    """Table entry (without offsets) and the uncompressed bytes of one tensor."""
+    if isinstance(value, QuantizedTensor):
+        codes = encode_codes(value.codes, value.bits, layout)
+        raw = codes + encode_scales(value.scales)
+        entry = {"name": name, "kind": "quant", "shape": list(value.shape), "bits": value.bits,
+                 "layout": layout, "scale_offset": len(codes)}
+    elif isinstance(value, np.ndarray):
+        if value.dtype.name not in ARRAY_DTYPES:
+            raise TypeError(f"tensor {name!r}: dtype {value.dtype} cannot be stored; expected one of {ARRAY_DTYPES} "
+                            "(hint: convert floats to float16/float32 first)")
+        raw = np.ascontiguousarray(value).astype(value.dtype.newbyteorder("<"), copy=False).tobytes()
+        entry = {"name": name, "kind": "array", "shape": list(value.shape), "dtype": value.dtype.name}
+    else:
+        raise TypeError(f"tensor {name!r}: expected QuantizedTensor or numpy array, got {type(value).__name__}")
+    entry["raw_nbytes"] = len(raw)
+    return entry, raw
+
+
+class ChunkCache:
+    """Compressed chunks keyed by (tensor object, codec, layout); holds a reference to each value so
+    its id cannot be reused while cached. Lets the allocator build many candidate artifacts cheaply."""
+
+    def __init__(self):
+        self._chunks: dict[tuple, tuple[object, dict, bytes]] = {}
+
+    def get(self, items: list[tuple[str, object]], codec: str, layout: str, threads: int) -> list[tuple[dict, bytes]]:
+        missing = [(n, v) for n, v in items if (id(v), codec, layout) not in self._chunks]
+        if missing:  # brotli and lzma release the GIL: threads compress in parallel
+            def job(item):
+                entry, raw = encode_tensor(item[0], item[1], layout)
+                return item[1], entry, compress(raw, codec)
+            with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+                for value, entry, chunk in pool.map(job, missing):
+                    self._chunks[(id(value), codec, layout)] = (value, entry, chunk)
+        out = []
+        for name, value in items:
+            _, entry, chunk = self._chunks[(id(value), codec, layout)]
+            out.append(({**entry, "name": name}, chunk))
+        return out
+
+
+def check_meta(meta: dict) -> None:
+    if not isinstance(meta, dict):
+        raise TypeError(f"artifact meta must be a dict, got {type(meta).__name__}")
+    if not isinstance(meta.get("model_config"), dict):
+        raise ValueError("artifact meta needs 'model_config': the model config dict (dataclasses.asdict(cfg))")
+    sha = meta.get("tokenizer_sha256")
+    if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+        raise ValueError(f"artifact meta needs 'tokenizer_sha256': 64 lowercase hex digits, got {sha!r}")
+
+
+def build_artifact(meta: dict, quantized: dict, codec: str = "brotli", layout: str = "byte",
+                   cache: ChunkCache | None = None, threads: int = 0) -> bytes:
+    """The complete artifact file as bytes. threads 0 = one per CPU."""
+    check_meta(meta)
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown code layout {layout!r}; expected one of {LAYOUTS}")
+    cache = cache if cache is not None else ChunkCache()
+    chunks = cache.get(list(quantized.items()), codec, layout, threads or os.cpu_count() or 1)
+    entries, offset = [], 0
+    for entry, chunk in chunks:
+        entries.append({**entry, "offset": offset, "nbytes": len(chunk)})
+        offset += len(chunk)
+    try:
+        header = json.dumps({"codec": codec, "meta": meta, "tensors": entries},
+                            separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"artifact meta is not plain JSON (dicts, lists, str, finite numbers): {exc}") from exc
+    body = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), offset) + header + b"".join(c for _, c in chunks)
+    return body + hashlib.sha256(body).digest()
+
+
+def atomic_write(path: str | os.PathLike, data: bytes) -> None:
+    """Write to a temp file in the same folder, fsync, then rename: never a half-written artifact."""
+    path = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
+                               dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_artifact(path: str | os.PathLike, meta: dict, quantized: dict, codec: str = "brotli",
+                  layout: str = "byte", cache: ChunkCache | None = None) -> int:
+    """Write the artifact atomically; returns the bytes written (the file's size)."""
+    data = build_artifact(meta, quantized, codec, layout, cache)
+    atomic_write(path, data)
+    return len(data)
+
+
+# -- reading ------------------------------------------------------------------------------------------
+
+def load_artifact(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(meta, tensors): float tensors dequantized to fp32, ready for model.load_state_dict."""
+    with open(path, "rb") as f:
+        data = f.read()
+    header, payload = _verified_parts(os.fspath(path), data)
+    codec = header["codec"]
+    tensors = {}
+    for entry in header["tensors"]:
+        chunk = payload[entry["offset"]:entry["offset"] + entry["nbytes"]]
+        try:
+            raw = decompress(chunk, codec)
+            if len(raw) != entry["raw_nbytes"]:
+                raise ValueError(f"decompressed to {len(raw)} bytes, expected {entry['raw_nbytes']}")
+            tensors[entry["name"]] = _decode_entry(entry, raw)
+        except (ValueError, lzma.LZMAError) as exc:
+            raise ArtifactError(f"{path}: tensor {entry['name']!r} is invalid: {exc}") from exc
+        except Exception as exc:  # brotli.error has no stable import path across versions
+            raise ArtifactError(f"{path}: tensor {entry['name']!r} does not decompress with {codec}: {exc}") from exc
+    return header["meta"], tensors
+
+
+def _verified_parts(path: str, data: bytes) -> tuple[dict, bytes]:
+    if len(data) < _PREFIX.size + _HASH_LEN:
+        raise ArtifactError(f"{path}: truncated: {len(data)} bytes, an artifact has at least {_PREFIX.size + _HASH_LEN}")
+    magic, version, header_len, payload_len = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise ArtifactError(f"{path}: not an mhcgolf artifact (magic {magic!r}, expected {MAGIC!r})")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(f"{path}: unsupported artifact format version {version}; this code reads version "
+                            f"{FORMAT_VERSION} (hint: load it with the code that wrote it)")
+    expected = _PREFIX.size + header_len + payload_len + _HASH_LEN
+    if len(data) != expected:
+        raise ArtifactError(f"{path}: truncated or padded: {len(data)} bytes, the prefix says {expected}")
+    body, digest = data[:-_HASH_LEN], data[-_HASH_LEN:]
+    actual = hashlib.sha256(body).digest()
+    if actual != digest:
+        raise ArtifactError(f"{path}: integrity check failed: sha256 of header+payload is {actual.hex()}, "
+                            f"the file records {digest.hex()} (corrupted file)")
+    try:
+        header = json.loads(body[_PREFIX.size:_PREFIX.size + header_len].decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{path}: header is not valid JSON: {exc}") from exc
+    payload = body[_PREFIX.size + header_len:]
+    _check_header(path, header, len(payload))
+    return header, payload
+
+
+def _check_header(path: str, header, payload_len: int) -> None:
+    def bad(msg: str):
+        raise ArtifactError(f"{path}: malformed header: {msg}")
+    if not isinstance(header, dict) or header.get("codec") not in CODECS or not isinstance(header.get("tensors"), list):
+        bad(f"expected an object with codec in {CODECS} and a tensors list")
+    if not isinstance(header.get("meta"), dict):
+        bad("expected a meta object")
+    offset, names = 0, set()
+    for entry in header["tensors"]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or entry["name"] in names:
+            bad(f"tensor entry {entry!r} lacks a unique string name")
+        names.add(entry["name"])
+        ints = ("offset", "nbytes", "raw_nbytes")
+        shape = entry.get("shape")
+        if not all(type(entry.get(k)) is int and entry[k] >= 0 for k in ints) or not isinstance(shape, list) \
+                or not all(type(s) is int and s >= 0 for s in shape):
+            bad(f"tensor {entry['name']!r} needs non-negative integer {ints} and shape")
+        if entry["offset"] != offset:
+            bad(f"tensor {entry['name']!r} starts at {entry['offset']}, expected {offset} (chunks are contiguous)")
+        offset += entry["nbytes"]
+        if entry.get("raw_nbytes") != _expected_raw_nbytes(entry):
+            bad(f"tensor {entry['name']!r}: raw_nbytes or its kind/bits/layout/dtype/scale_offset are inconsistent")
+    if offset != payload_len:
+        bad(f"chunks cover {offset} bytes but the payload has {payload_len}")
+
+
+def _expected_raw_nbytes(entry: dict) -> int | None:
+    shape = entry["shape"]
+    count = int(np.prod(shape)) if shape else 1
+    if entry.get("kind") == "quant":
+        if len(shape) != 2 or entry.get("bits") not in WIDTHS or entry.get("layout") not in LAYOUTS:
+            return None
+        codes = encoded_codes_size(count, entry["bits"], entry["layout"])
+        return codes + 2 * shape[0] if entry.get("scale_offset") == codes else None
+    if entry.get("kind") == "array" and entry.get("dtype") in ARRAY_DTYPES:
+        return count * np.dtype(entry["dtype"]).itemsize
+    return None
+
+
+def _decode_entry(entry: dict, raw: bytes) -> torch.Tensor:
+    shape = entry["shape"]
+    if entry["kind"] == "quant":
+        split = entry["scale_offset"]
+        codes = decode_codes(raw[:split], entry["bits"], entry["layout"], shape[0] * shape[1])
+        scales = decode_scales(raw[split:], shape[0])
+        return QuantizedTensor(codes.reshape(shape), scales, entry["bits"]).dequantize()
+    array = np.frombuffer(raw, dtype=np.dtype(entry["dtype"]).newbyteorder("<")).reshape(shape)
+    tensor = torch.from_numpy(array.astype(array.dtype.newbyteorder("=")))
+    return tensor.float() if tensor.is_floating_point() else tensor
+
+
+def dequantize_state(quantized: dict) -> dict[str, torch.Tensor]:
+    """What load_artifact returns for `quantized`, computed in memory (same decoding rules)."""
+    out = {}
+    for name, value in quantized.items():
+        if isinstance(value, QuantizedTensor):
+            out[name] = value.dequantize()
+        else:
+            tensor = torch.from_numpy(np.array(value))
+            out[name] = tensor.float() if tensor.is_floating_point() else tensor
+    return out
