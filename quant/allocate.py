@@ -1,0 +1,78 @@
+"""Mixed precision: int6 for the matrices that need it most, int5 for the rest, under a byte budget.
+
+Sensitivity (the ranking key) is the measured cost of downgrading a matrix, per parameter:
+    s = (E5 - E6) / numel,   E_b = tr(ΔW_b H ΔW_bᵀ), ΔW_b = GPTQ_b(W) - W, H = XᵀX/n.
+E_b is the mean squared error GPTQ leaves on the layer's output over the calibration tokens, so it is
+in the same units for every matrix whatever its fan-in (trace(H) alone grows with input width and
+ignores both the weights and how well they fit the grid). Dividing by numel makes it the error saved
+per parameter upgraded: extra bytes for int6 are ~proportional to numel, so ranking by s is the
+greedy solution of "most error removed per byte", and the int6 set is a prefix of that ranking.
+Limitation: output error is not loss; a matrix whose outputs the network amplifies is not weighted
+more (that would need gradients).
+
+The budget is checked on real bytes: `size_of(bits_by_name)` builds the complete artifact (cached
+per-tensor chunks make this cheap) and returns its length. The search finds the largest prefix k that
+fits by bisection; every returned assignment has been measured, never estimated.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+LOW_BITS, HIGH_BITS = 5, 6
+
+
+class BudgetError(ValueError):
+    """Even the all-int5 artifact does not fit the byte budget."""
+
+
+def rank_by_sensitivity(sensitivity: dict[str, float]) -> list[str]:
+    """Names, most sensitive first (ties broken by name, so the order is deterministic)."""
+    return sorted(sensitivity, key=lambda name: (-sensitivity[name], name))
+
+
+def assignment(order: list[str], k: int) -> dict[str, int]:
+    return {name: HIGH_BITS if i < k else LOW_BITS for i, name in enumerate(order)}
+
+
+def allocate_bits(sensitivity: dict[str, float], size_of: Callable[[dict[str, int]], int],
+                  budget_bytes: int) -> tuple[dict[str, int], int, list[dict]]:
+    """Returns (bits per matrix, artifact bytes of that choice, the search log).
+
+    Assumes size grows with k (int6 chunks are larger than int5 ones); if a glitch broke that, the
+    result would still fit (only measured sizes are accepted) but might not be the largest k.
+    """
+    if not sensitivity:
+        raise ValueError("no matrices to allocate bits to")
+    order = rank_by_sensitivity(sensitivity)
+    probes: list[dict] = []
+
+    def measure(k: int) -> int:
+        size = int(size_of(assignment(order, k)))
+        probes.append({"n_int6": k, "artifact_bytes": size, "fits": size <= budget_bytes})
+        return size
+
+    size_lo = measure(0)
+    if size_lo > budget_bytes:
+        raise BudgetError(f"even all-int{LOW_BITS} ({len(order)} matrices) makes a {size_lo}-byte artifact, "
+                          f"over the budget of {budget_bytes} bytes by {size_lo - budget_bytes} bytes; "
+                          "hint: shrink the model or store more tensors at lower precision")
+    lo, hi, best_size = 0, len(order), size_lo  # invariant: k = lo fits; k > hi is not known to fit
+    size_hi = measure(hi)
+    if size_hi <= budget_bytes:
+        return assignment(order, hi), size_hi, probes
+    hi -= 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        size = measure(mid)
+        if size <= budget_bytes:
+            lo, best_size = mid, size
+        else:
+            hi = mid - 1
+    return assignment(order, lo), best_size, probes
+
+
+def allocation_log(order_sensitivity: dict[str, float], bits: dict[str, int], details: dict[str, dict]) -> list[dict]:
+    """One dict per matrix, most sensitive first: rank, name, bits, sensitivity and the caller's details."""
+    order = rank_by_sensitivity(order_sensitivity)
+    return [{"rank": i, "name": name, "bits": bits[name], "sensitivity": order_sensitivity[name], **details.get(name, {})}
+            for i, name in enumerate(order)]

@@ -1,0 +1,182 @@
+"""The one entry point the trainer calls: calibrate, quantize, allocate bits, write and verify the artifact.
+
+Which tensor gets which treatment (by state_dict name):
+  * the weight of every nn.Linear           -> GPTQ (or RTN) int5/int6, per allocate.allocate_bits;
+  * nn.Embedding weights, and 2-D tensors
+    matching one of `table_patterns`        -> int8 per-row scale, round-to-nearest;
+  * everything else (norm gains, scalars,
+    biases, other small tensors)            -> float16, or float32 when it has <= FP32_MAX_NUMEL
+    elements: those are scalars/gates/mixing biases where fp16's 3-digit precision could shift
+    behaviour, and keeping them exact costs a few hundred bytes at most. Integer tensors are kept as is.
+"""
+from __future__ import annotations
+
+import fnmatch
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from quant.allocate import HIGH_BITS, LOW_BITS, allocate_bits, allocation_log
+from quant.calibrate import collect_hessians
+from quant.container import ChunkCache, build_artifact, check_meta, dequantize_state, load_artifact, save_artifact
+from quant.gptq import gptq_quantize, rtn_quantize
+from quant.pack import QuantizedTensor
+
+METHODS = ("gptq", "rtn")
+TABLE_BITS = 8
+FP32_MAX_NUMEL = 64
+
+
+@dataclass
+class TensorPlan:
+    linears: dict[str, nn.Linear] = field(default_factory=dict)  # weight name -> module
+    tables: list[str] = field(default_factory=list)
+    others: list[str] = field(default_factory=list)
+
+
+def plan_tensors(model: nn.Module, table_patterns: Iterable[str] = ()) -> TensorPlan:
+    state = model.state_dict()
+    _refuse_aliases(state)
+    plan = TensorPlan()
+    embeddings = set()
+    for mod_name, module in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        if isinstance(module, nn.Linear):
+            plan.linears[prefix + "weight"] = module
+        elif isinstance(module, nn.Embedding):
+            embeddings.add(prefix + "weight")
+    patterns = list(table_patterns)
+    used = {p: False for p in patterns}
+    for name, tensor in state.items():
+        if name in plan.linears:
+            continue
+        hits = [p for p in patterns if fnmatch.fnmatchcase(name, p)]
+        for p in hits:
+            used[p] = True
+            if tensor.ndim != 2:
+                raise ValueError(f"table pattern {p!r} matches {name!r} of shape {tuple(tensor.shape)}; "
+                                 "int8 tables must be 2-D")
+        (plan.tables if name in embeddings or hits else plan.others).append(name)
+    unused = [p for p, hit in used.items() if not hit]
+    if unused:
+        raise ValueError(f"table patterns {unused} match no non-Linear tensor; names look like "
+                         f"{list(state)[:3]} (hint: fnmatch syntax, e.g. 'mhc.*.phi')")
+    return plan
+
+
+def _refuse_aliases(state: dict[str, torch.Tensor]) -> None:
+    seen: dict[tuple, str] = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if tensor.numel() and key in seen:
+            raise ValueError(f"state_dict entries {seen[key]!r} and {name!r} share storage (tied weights); "
+                             "the artifact stores each tensor once: untie them or drop one from the state_dict")
+        seen[key] = name
+
+
+def small_tensor(tensor: torch.Tensor) -> np.ndarray:
+    t = tensor.detach().cpu()
+    if t.is_floating_point():
+        return t.float().numpy().astype(np.float32 if t.numel() <= FP32_MAX_NUMEL else np.float16)
+    return t.numpy().copy()
+
+
+def quantize_matrices(plan: TensorPlan, hessians: dict[str, torch.Tensor], method: str,
+                      ) -> tuple[dict[str, dict[int, QuantizedTensor]], dict[str, dict]]:
+    """int5 and int6 candidates per matrix, and their errors for the allocation log."""
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization method {method!r}; expected one of {METHODS}")
+    candidates, details = {}, {}
+    for name, module in plan.linears.items():
+        h = hessians[name]
+        weight = module.weight.detach().to(h.device)
+        if method == "gptq":
+            results = gptq_quantize(weight, h, (LOW_BITS, HIGH_BITS))
+        else:
+            results = {b: rtn_quantize(weight, b, h) for b in (LOW_BITS, HIGH_BITS)}
+        candidates[name] = {b: qt for b, (qt, _) in results.items()}
+        details[name] = {"shape": list(weight.shape), "trace_h_per_in": float(torch.trace(h)) / h.shape[0],
+                         "err5": results[LOW_BITS][1], "err6": results[HIGH_BITS][1]}
+    return candidates, details
+
+
+def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], path: str, meta: dict,
+                    budget_bytes: int, method: str = "gptq", log: Callable[[str], None] = print,
+                    table_patterns: Iterable[str] = (), codec: str = "brotli", layout: str = "byte") -> dict:
+    """Quantize `model` into the artifact at `path` (at most `budget_bytes`); returns the report.
+
+    The model is not modified. After writing, the artifact is read back and checked bit for bit
+    against the in-memory quantized tensors, so the reported size is the size of what loads.
+    """
+    check_meta(meta)
+    if method not in METHODS:
+        raise ValueError(f"unknown quantization method {method!r}; expected one of {METHODS}")
+    plan = plan_tensors(model, table_patterns)
+    if not plan.linears:
+        raise ValueError("the model has no nn.Linear modules to quantize")
+    timings = {}
+    t = time.perf_counter()
+    hessians, n_tokens = collect_hessians(model, plan.linears, calib_batches)
+    timings["calib_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    candidates, details = quantize_matrices(plan, hessians, method)
+    state = model.state_dict()
+    fixed = {name: rtn_quantize(state[name], TABLE_BITS)[0] for name in plan.tables}
+    fixed.update({name: small_tensor(state[name]) for name in plan.others})
+    timings["quant_s"] = time.perf_counter() - t
+    del hessians
+
+    meta = {**meta, "quant": {"method": method, "calib_tokens": n_tokens}}
+    cache = ChunkCache()
+
+    def compose(bits: dict[str, int]) -> dict:
+        return {name: candidates[name][bits[name]] if name in candidates else fixed[name] for name in state}
+
+    t = time.perf_counter()
+    sensitivity = {n: (d["err5"] - d["err6"]) / (d["shape"][0] * d["shape"][1]) for n, d in details.items()}
+    bits, size, probes = allocate_bits(sensitivity, lambda b: len(build_artifact(meta, compose(b), codec, layout, cache)),
+                                       budget_bytes)
+    timings["alloc_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    quantized = compose(bits)
+    written = save_artifact(path, meta, quantized, codec, layout, cache)
+    _verify_round_trip(path, quantized, written, size)
+    timings["save_verify_s"] = time.perf_counter() - t
+
+    matrices = allocation_log(sensitivity, bits, details)
+    report = {"method": method, "codec": codec, "layout": layout, "calib_tokens": n_tokens,
+              "artifact_bytes": written, "budget_bytes": budget_bytes,
+              "n_int6": sum(b == HIGH_BITS for b in bits.values()), "n_int5": sum(b == LOW_BITS for b in bits.values()),
+              "tables_int8": list(plan.tables), "others": {n: str(fixed[n].dtype) for n in plan.others},
+              "matrices": matrices, "probes": probes, **timings}
+    _log_report(report, log)
+    return report
+
+
+def _verify_round_trip(path: str, quantized: dict, written: int, measured: int) -> None:
+    if written != measured:
+        raise RuntimeError(f"{path}: wrote {written} bytes but the allocator measured {measured} for the same choice")
+    _, loaded = load_artifact(path)
+    expected = dequantize_state(quantized)
+    bad = [n for n in expected if n not in loaded or not torch.equal(loaded[n], expected[n])]
+    if bad or set(loaded) != set(expected):
+        raise RuntimeError(f"{path}: the artifact does not load back to the quantized tensors (first mismatch: "
+                           f"{(bad or sorted(set(loaded) ^ set(expected)))[0]!r})")
+
+
+def _log_report(report: dict, log: Callable[[str], None]) -> None:
+    log(f"quant: {report['method']} calibration {report['calib_tokens']} tokens in {report['calib_s']:.1f}s, "
+        f"quantization {report['quant_s']:.1f}s, allocation {report['alloc_s']:.1f}s "
+        f"({len(report['probes'])} artifacts built), save+verify {report['save_verify_s']:.1f}s")
+    for row in report["matrices"]:
+        log(f"quant: rank {row['rank']:>3} int{row['bits']} {row['name']:<44} sens {row['sensitivity']:.3e} "
+            f"err5 {row['err5']:.3e} err6 {row['err6']:.3e} tr(H)/in {row['trace_h_per_in']:.3e}")
+    log(f"quant: {report['n_int6']} int6 + {report['n_int5']} int5 matrices, {len(report['tables_int8'])} int8 tables, "
+        f"{len(report['others'])} other tensors; artifact {report['artifact_bytes']} bytes "
+        f"(budget {report['budget_bytes']}, {report['codec']}, layout {report['layout']})")

@@ -1,0 +1,78 @@
+"""Bit allocation under a byte budget measured on real artifacts."""
+import numpy as np
+import pytest
+import torch
+
+from quant.allocate import BudgetError, allocate_bits, allocation_log, assignment, rank_by_sensitivity
+from quant.container import ChunkCache, build_artifact
+from quant.gptq import rtn_quantize
+
+META = {"model_config": {"tiny": 1}, "tokenizer_sha256": "ab" * 32}
+
+
+@pytest.fixture(scope="module")
+def matrices():
+    """Eight matrices of different sizes, quantized to int5 and int6 once."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(16, 32), (32, 32), (48, 16), (8, 64), (24, 24), (40, 8), (16, 16), (32, 48)]
+    out = {}
+    for i, shape in enumerate(shapes):
+        w = torch.randn(*shape, generator=g)
+        out[f"m{i}.weight"] = {b: rtn_quantize(w, b)[0] for b in (5, 6)}
+    return out
+
+
+def real_size_of(matrices, cache):
+    extra = {"norm.weight": np.ones(8, np.float16)}
+
+    def size_of(bits):
+        quantized = {name: matrices[name][b] for name, b in bits.items()} | extra
+        return len(build_artifact(META, quantized, "lzma", "byte", cache, threads=1))
+    return size_of
+
+
+def test_never_exceeds_budget_and_takes_the_largest_prefix(matrices):
+    cache = ChunkCache()
+    size_of = real_size_of(matrices, cache)
+    rng = np.random.default_rng(1)
+    low = size_of(dict.fromkeys(matrices, 5))
+    high = size_of(dict.fromkeys(matrices, 6))
+    assert high > low
+    for trial in range(12):
+        sens = {name: float(rng.exponential()) for name in matrices}
+        budget = int(rng.integers(low, high + 50)) if trial else low  # trial 0: exactly the all-int5 size
+        bits, size, probes = allocate_bits(sens, size_of, budget)
+        assert size <= budget and size == size_of(bits)
+        assert all(p["fits"] == (p["artifact_bytes"] <= budget) for p in probes)
+        order = rank_by_sensitivity(sens)
+        k = sum(b == 6 for b in bits.values())
+        assert bits == assignment(order, k)  # int6 goes to a prefix of the sensitivity ranking
+        if k < len(order):  # one more int6 matrix would not fit
+            assert size_of(assignment(order, k + 1)) > budget
+
+
+def test_prefers_int6_for_the_most_sensitive():
+    sizes = {f"m{i}": 100 for i in range(6)}
+    size_of = lambda bits: sum(sizes[n] + (20 if b == 6 else 0) for n, b in bits.items())  # noqa: E731
+    sens = {"m0": 0.1, "m1": 5.0, "m2": 0.3, "m3": 9.0, "m4": 0.2, "m5": 1.0}
+    bits, size, _ = allocate_bits(sens, size_of, budget_bytes=600 + 3 * 20 + 5)
+    assert {n for n, b in bits.items() if b == 6} == {"m3", "m1", "m5"}
+    assert size == 660
+    bits, size, probes = allocate_bits(sens, size_of, budget_bytes=10_000)
+    assert set(bits.values()) == {6} and len(probes) == 2  # all-int6 fits: two measurements only
+
+
+def test_budget_error_says_by_how_much():
+    size_of = lambda bits: 1000 + 10 * sum(b == 6 for b in bits.values())  # noqa: E731
+    with pytest.raises(BudgetError, match=r"1000-byte artifact, over the budget of 900 bytes by 100 bytes"):
+        allocate_bits({"a": 1.0, "b": 2.0}, size_of, 900)
+    with pytest.raises(ValueError, match="no matrices"):
+        allocate_bits({}, size_of, 900)
+
+
+def test_allocation_log_lists_every_matrix_in_rank_order():
+    sens = {"x": 1.0, "y": 3.0, "z": 2.0}
+    rows = allocation_log(sens, {"x": 5, "y": 6, "z": 5}, {"y": {"err5": 0.5}})
+    assert [r["name"] for r in rows] == ["y", "z", "x"]
+    assert [r["rank"] for r in rows] == [0, 1, 2]
+    assert rows[0] == {"rank": 0, "name": "y", "bits": 6, "sensitivity": 3.0, "err5": 0.5}

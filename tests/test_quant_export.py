@@ -1,0 +1,146 @@
+"""export_artifact end to end on a tiny model: treatment of every tensor, budget, report, log."""
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from quant.allocate import BudgetError
+from quant.container import load_artifact
+from quant.export import FP32_MAX_NUMEL, export_artifact, plan_tensors
+
+META = {"model_config": {"d": 32}, "tokenizer_sha256": "0123456789abcdef" * 4}
+
+
+class Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(d))
+        self.up = nn.Linear(d, 3 * d, bias=False)
+        self.down = nn.Linear(3 * d, d, bias=True)
+
+    def forward(self, x):
+        h = torch.nn.functional.rms_norm(x, (x.shape[-1],), self.norm)
+        return x + self.down(torch.relu(self.up(h)) ** 2)
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 64, d: int = 32, layers: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.mix = nn.Parameter(torch.randn(d, 8) * 0.1)  # a non-Linear 2-D parameter
+        self.scale = nn.Parameter(torch.tensor(0.8125))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        x = x + (x @ self.mix).sum(-1, keepdim=True) * self.scale
+        return x @ self.embed.weight.T
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = TinyGPT()
+    with torch.no_grad():
+        for block in m.blocks:
+            block.norm.uniform_(0.5, 1.5)
+    return m
+
+
+def calib(n_batches: int = 3):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 64, (2, 16), generator=g) for _ in range(n_batches)]
+
+
+def run_export(model, path, budget, **kw):
+    lines = []
+    report = export_artifact(model, calib(), str(path), META, budget, log=lines.append, **kw)
+    return report, lines
+
+
+def test_plan_assigns_every_tensor_once(model):
+    plan = plan_tensors(model, ["mix"])
+    assert sorted(plan.linears) == sorted(f"blocks.{i}.{n}.weight" for i in range(3) for n in ("up", "down"))
+    assert sorted(plan.tables) == ["embed.weight", "mix"]
+    assert set(plan.others) == {"scale"} | {f"blocks.{i}.norm" for i in range(3)} | {f"blocks.{i}.down.bias" for i in range(3)}
+    assert plan_tensors(model).tables == ["embed.weight"] and "mix" in plan_tensors(model).others
+    with pytest.raises(ValueError, match=r"\['nope\*'\] match no non-Linear tensor"):
+        plan_tensors(model, ["nope*"])
+    with pytest.raises(ValueError, match="int8 tables must be 2-D"):
+        plan_tensors(model, ["scale"])
+
+
+@pytest.mark.parametrize("method", ["gptq", "rtn"])
+def test_export_fits_budget_loads_back_and_logs_every_matrix(tmp_path, model, method):
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loose, _ = run_export(model, tmp_path / "loose.art", 10**7, method=method, table_patterns=["mix"])
+    assert loose["n_int6"] == 6 and loose["n_int5"] == 0
+    all5 = loose["probes"][0]["artifact_bytes"]
+    budget = (all5 + loose["artifact_bytes"]) // 2
+    report, lines = run_export(model, tmp_path / "m.art", budget, method=method, table_patterns=["mix"])
+    path = tmp_path / "m.art"
+    assert report["artifact_bytes"] == path.stat().st_size <= budget
+    assert 0 < report["n_int6"] < 6 and report["n_int5"] == 6 - report["n_int6"]
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # model untouched
+
+    meta, tensors = load_artifact(path)
+    assert meta["model_config"] == META["model_config"] and meta["quant"] == {"method": method, "calib_tokens": 96}
+    # int6 goes to the most sensitive matrices, and the log names every matrix with its bits.
+    rows = report["matrices"]
+    assert [r["rank"] for r in rows] == list(range(6))
+    assert [r["bits"] for r in rows] == sorted((r["bits"] for r in rows), reverse=True)
+    assert all(r["err6"] < r["err5"] for r in rows)
+    for r in rows:
+        assert any(r["name"] in line and f"int{r['bits']}" in line for line in lines)
+    assert f"artifact {report['artifact_bytes']} bytes" in lines[-1]
+    for key in ("calib_s", "quant_s", "alloc_s", "save_verify_s"):
+        assert report[key] >= 0
+
+    # Treatment: tables int8 (per-row dequantized values), small tensors fp32/fp16 as documented.
+    assert sorted(report["tables_int8"]) == ["embed.weight", "mix"]
+    assert report["others"]["scale"] == "float32" and report["others"]["blocks.0.norm"] == "float32"
+    assert FP32_MAX_NUMEL >= 32 and tensors["scale"].item() == 0.8125
+    emb = model.embed.weight.detach()
+    assert torch.linalg.norm(tensors["embed.weight"] - emb) < 0.01 * torch.linalg.norm(emb)  # int8: < 1% error
+    reloaded = TinyGPT()
+    reloaded.load_state_dict(tensors)
+    with torch.no_grad():
+        ids = calib(1)[0]
+        assert (reloaded(ids) - model(ids)).abs().max() < 0.1 * model(ids).abs().max()
+
+
+def test_export_large_small_tensor_goes_fp16(tmp_path):
+    torch.manual_seed(1)
+    m = TinyGPT(d=80, layers=1)
+    report, _ = run_export(m, tmp_path / "a.art", 10**7, codec="lzma", layout="dense")
+    assert report["others"]["blocks.0.norm"] == "float16" and report["others"]["scale"] == "float32"
+    assert report["codec"] == "lzma" and report["layout"] == "dense"
+    _, tensors = load_artifact(tmp_path / "a.art")
+    assert torch.equal(tensors["blocks.0.norm"], m.blocks[0].norm.detach().half().float())
+
+
+def test_export_refuses_impossible_budget_and_bad_arguments(tmp_path, model):
+    with pytest.raises(BudgetError, match=r"over the budget of 1000 bytes by \d+ bytes"):
+        run_export(model, tmp_path / "x.art", 1000)
+    assert not (tmp_path / "x.art").exists()
+    with pytest.raises(ValueError, match="unknown quantization method"):
+        run_export(model, tmp_path / "x.art", 10**7, method="awq")
+    with pytest.raises(ValueError, match="tokenizer_sha256"):
+        export_artifact(model, calib(), str(tmp_path / "x.art"), {"model_config": {}}, 10**7)
+
+
+def test_export_refuses_tied_weights(tmp_path):
+    m = TinyGPT()
+    m.head = nn.Linear(32, 64, bias=False)
+    m.head.weight = m.embed.weight
+    with pytest.raises(ValueError, match="share storage"):
+        plan_tensors(m)
+
+
+def test_small_tensor_rule_is_by_size():
+    from quant.export import small_tensor
+    assert small_tensor(torch.ones(FP32_MAX_NUMEL)).dtype == np.float32
+    assert small_tensor(torch.ones(FP32_MAX_NUMEL + 1)).dtype == np.float16
+    assert small_tensor(torch.arange(3)).dtype == np.int64
