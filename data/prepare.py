@@ -118,7 +118,10 @@ def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: st
                 "vocab_size": sp.get_piece_size(), "shard_tokens": shard_tokens, "bos_id": BOS_ID,
                 "bytes_definition": "UTF-8 bytes of the decoded (nmt_nfkc-normalized) text; BOS adds none",
                 "splits": {}}
-    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer),)) as pool:
+    # forkserver: workers fork from a clean single-threaded server, never from this (maybe threaded) process
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    with context.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer),)) as pool:
         for split, texts in splits.items():
             manifest["splits"][split] = _tokenize_split(pool, workers, texts, ShardWriter(out, split, shard_tokens))
     manifest.update(extra_manifest or {})
