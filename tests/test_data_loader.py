@@ -141,6 +141,14 @@ def test_bad_arguments_are_explained(shards, tmp_path):
     write_shard(tiny, np.arange(10))
     with pytest.raises(ValueError, match="tiny.bin has 10 tokens"):
         TokenLoader([str(tiny)], 16, 2)
+    write_shard(tiny, np.arange(65))  # 3-4 blocks of 16: nothing left for rank 7 of 8
+    with TokenLoader([str(tiny)], 16, 2, rank=7, world_size=8, prefetch=0) as loader:
+        with pytest.raises(ValueError, match="rank 7 gets no blocks in pass 0"):
+            loader.next_batch()
+    with TokenLoader([str(tiny)], 16, 2, rank=7, world_size=8, prefetch=2) as loader:
+        with pytest.raises(RuntimeError, match="prefetch thread failed") as info:
+            loader.next_batch()
+        assert "rank 7 gets no blocks" in str(info.value.__cause__)
 
 
 def test_load_tokens_concatenates_in_order(shards):
