@@ -60,18 +60,63 @@ def sinkhorn_bwd(logits, grad, ITERS: tl.constexpr):
     return g * m0
 
 
+# Stream tiles travel as tuples of n two-dimensional [BT, BC] fp32 tiles (stream j of BT tokens over
+# the channel tile c), not as one [BT, n, BC] tensor: Triton re-materializes broadcasts across a
+# 3-D layout once per consumer, which tripled the registers of the apply and spilled.
+
 @triton.jit
-def load_apply(x_ptr, y_ptr, hres_ptr, hpost, t64, tmask, i, c, cmask, C,
-                n: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """x'[BT, n, BC] = sum_j H_res[:, :, j] x_j + H_post y over channel tile c, in fp32."""
-    m2 = tmask[:, None] & cmask[None, :]
-    yv = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-    xs = tl.zeros([BT, n, BC], tl.float32)
+def load_streams(ptr, row, c, mask, C, n: tl.constexpr):
+    """(x_0, ..., x_{n-1}): tiles ptr[row + j*C + c] of a [T, n, C] tensor, row = token * n*C."""
+    tiles = ()
     for j in tl.static_range(n):
-        xj = tl.load(x_ptr + t64[:, None] * (n * C) + j * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-        hj = tl.load(hres_ptr + t64[:, None] * (n * n) + i[None, :] * n + j, mask=tmask[:, None], other=0.0)
-        xs += hj[:, :, None] * xj[:, None, :]
-    return xs + hpost[:, :, None] * yv[:, None, :]
+        tiles = tiles + (tl.load(ptr + row[:, None] + j * C + c[None, :], mask=mask, other=0.0).to(tl.float32),)
+    return tiles
+
+
+@triton.jit
+def store_streams(ptr, row, c, mask, tiles, C, n: tl.constexpr):
+    for j in tl.static_range(n):
+        tl.store(ptr + row[:, None] + j * C + c[None, :], tiles[j].to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def load_mixing(hres_ptr, hpost_ptr, t64, tmask, n: tl.constexpr):
+    """Per-token apply coefficients as [BT] vectors: (H_res[:, i, j] for i, j row-major), (H_post[:, i])."""
+    h_res = ()
+    for ij in tl.static_range(n * n):
+        h_res = h_res + (tl.load(hres_ptr + t64 * (n * n) + ij, mask=tmask, other=0.0),)
+    h_post = ()
+    for i in tl.static_range(n):
+        h_post = h_post + (tl.load(hpost_ptr + t64 * n + i, mask=tmask, other=0.0),)
+    return h_res, h_post
+
+
+@triton.jit
+def apply_stream(xs, y, h_res, h_post, i: tl.constexpr, n: tl.constexpr):
+    """x'_i = sum_j H_res[i, j] x_j + H_post[i] y, in fp32, for one channel tile."""
+    acc = h_res[i * n][:, None] * xs[0]
+    for j in tl.static_range(1, n):
+        acc += h_res[i * n + j][:, None] * xs[j]
+    return acc + h_post[i][:, None] * y
+
+
+@triton.jit
+def apply_streams(xs, y, h_res, h_post, n: tl.constexpr):
+    out = ()
+    for i in tl.static_range(n):
+        out = out + (apply_stream(xs, y, h_res, h_post, i, n),)
+    return out
+
+
+@triton.jit
+def pre_gates(raw_ptr, alpha_ptr, bias_ptr, t64, tmask, N: tl.constexpr, n: tl.constexpr):
+    """(H_pre[:, j]) as [BT] vectors: sigmoid(alpha_pre * raw_pre + bias_pre), from the stored raw."""
+    a_pre = tl.load(alpha_ptr)
+    gates = ()
+    for j in tl.static_range(n):
+        raw = tl.load(raw_ptr + t64 * N + j, mask=tmask, other=0.0)
+        gates = gates + (sigmoid(a_pre * raw + tl.load(bias_ptr + j)),)
+    return gates
 
 
 # ---------------------------------------------------------------- launch sizing (host side)
@@ -95,9 +140,11 @@ def check_streams(n: int, C: int, where: str) -> None:
                          f"got C={C}; hint: pick d_model a multiple of 16 or set mhc_kernels=false")
 
 
-def channel_block(C: int, want: int) -> int:
-    """Largest power-of-two channel tile <= want that does not overrun C by more than it needs."""
-    return max(16, min(want, triton.next_power_of_2(C)))
+def channel_block(C: int, want: int, n: int) -> int:
+    """Power-of-two channel tile: at most `want`, no wider than C needs, and small enough that the
+    [n*BC, NP] projection tile (and the d(phi) accumulator) stays at <= 16K fp32 values."""
+    cap = max(16, 16384 // (n * padded_columns(n)))
+    return max(16, min(want, cap, triton.next_power_of_2(C)))
 
 
 def program_slots(device: torch.device) -> int:

@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_util import (channel_block, load_apply, num_coefficients, padded_columns,
-                                  program_slots, sigmoid, sinkhorn_bwd)
+from kernels._triton_util import (apply_stream, channel_block, load_mixing, load_streams, num_coefficients,
+                                  padded_columns, pre_gates, program_slots, sigmoid, sinkhorn_bwd,
+                                  store_streams)
 
 
 @triton.jit
@@ -34,62 +35,69 @@ def coef_bwd_kernel(
     t = pid * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
-    i = tl.arange(0, n)
     K = n * C
-    stream_off = t64[:, None, None] * K + i[None, :, None] * C
+    row = t64 * K
 
-    dh_pre = tl.zeros([BT, n], tl.float32)
+    # dH_pre[j] = sum_c du * x'_j, one [BT] vector per stream. Masked tokens read zeros, so every
+    # gradient below is zero for them.
+    dh_pre = ()
+    for j in tl.static_range(n):
+        dh_pre = dh_pre + (tl.zeros([BT], tl.float32),)
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
-        cmask = c < C
-        xs = tl.load(xs_ptr + stream_off + c[None, None, :], mask=tmask[:, None, None] & cmask[None, None, :],
-                     other=0.0).to(tl.float32)
-        du = tl.load(du_ptr + t64[:, None] * C + c[None, :], mask=tmask[:, None] & cmask[None, :],
-                     other=0.0).to(tl.float32)
-        dh_pre += tl.sum(xs * du[:, None, :], axis=2)
+        m2 = tmask[:, None] & (c < C)[None, :]
+        du = tl.load(du_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+        xs = load_streams(xs_ptr, row, c, m2, C, n)
+        summed = ()
+        for j in tl.static_range(n):
+            summed = summed + (dh_pre[j] + tl.sum(xs[j] * du, axis=1),)
+        dh_pre = summed
 
-    # Masked tokens load zero gradients, so every d(logit) below is zero for them.
-    m2 = tmask[:, None]
-    m3 = tmask[:, None, None]
-    ij = i[:, None] * n + i[None, :]                                    # [n, n] row-major
-    raw_pre = tl.load(raw_ptr + t64[:, None] * N + i[None, :], mask=m2, other=0.0)
-    raw_post = tl.load(raw_ptr + t64[:, None] * N + n + i[None, :], mask=m2, other=0.0)
-    raw_res = tl.load(raw_ptr + t64[:, None, None] * N + 2 * n + ij[None, :, :], mask=m3, other=0.0)
     rinv = tl.load(rinv_ptr + t64, mask=tmask, other=0.0)
     a_pre = tl.load(alpha_ptr)
     a_post = tl.load(alpha_ptr + 1)
     a_res = tl.load(alpha_ptr + 2)
-    s_pre = sigmoid(a_pre * raw_pre + tl.load(bias_ptr + i)[None, :])
+    aux_row = aux_ptr + t64 * NP
+    part = part_ptr + pid * (N + 3)   # this program's share of d(bias) [N] and d(alpha) [3]
+
+    # raw = (x'.phi) * inv_rms, inv_rms = (sum x'^2 / K + eps)^-1/2, logit = alpha * raw + bias:
+    #   G = inv_rms * d(raw) = inv_rms * alpha * d(logit);  dx' += G phi^T + x' * rms_factor,
+    #   rms_factor = -inv_rms^2 / K * sum(d(raw) * raw).
+    g_dot_raw = tl.zeros([BT], tl.float32)
+    dalpha_pre = 0.0
+    for j in tl.static_range(n):  # pre gates, sigmoid
+        raw_j = tl.load(raw_ptr + t64 * N + j, mask=tmask, other=0.0)
+        s_j = sigmoid(a_pre * raw_j + tl.load(bias_ptr + j))
+        dl_j = dh_pre[j] * s_j * (1.0 - s_j)
+        g_dot_raw += a_pre * dl_j * raw_j
+        tl.store(aux_row + j, rinv * a_pre * dl_j, mask=tmask)
+        tl.store(part + j, tl.sum(dl_j, axis=0))
+        dalpha_pre += tl.sum(dl_j * raw_j, axis=0)
+
+    i = tl.arange(0, n)
+    ij = i[:, None] * n + i[None, :]
+    tm2 = tmask[:, None]
+    tm3 = tmask[:, None, None]
+    raw_post = tl.load(raw_ptr + t64[:, None] * N + n + i[None, :], mask=tm2, other=0.0)
     s_post = sigmoid(a_post * raw_post + tl.load(bias_ptr + n + i)[None, :])
-    dl_pre = dh_pre * s_pre * (1.0 - s_pre)
-    dh_post = tl.load(dhpost_ptr + t64[:, None] * n + i[None, :], mask=m2, other=0.0)
+    dh_post = tl.load(dhpost_ptr + t64[:, None] * n + i[None, :], mask=tm2, other=0.0)
     dl_post = dh_post * 2.0 * s_post * (1.0 - s_post)
+    raw_res = tl.load(raw_ptr + t64[:, None, None] * N + 2 * n + ij[None, :, :], mask=tm3, other=0.0)
     res_logits = a_res * raw_res + tl.load(bias_ptr + 2 * n + ij)[None, :, :]
-    dh_res = tl.load(dhres_ptr + t64[:, None, None] * (n * n) + ij[None, :, :], mask=m3, other=0.0)
+    dh_res = tl.load(dhres_ptr + t64[:, None, None] * (n * n) + ij[None, :, :], mask=tm3, other=0.0)
     dl_res = sinkhorn_bwd(res_logits, dh_res, ITERS)
+    g_dot_raw += a_post * tl.sum(dl_post * raw_post, axis=1) + a_res * tl.sum(tl.sum(dl_res * raw_res, axis=2), axis=1)
 
-    # raw = (x'.phi) * inv_rms, inv_rms = (sum x'^2 / K + eps)^-1/2:
-    #   d(x'.phi) = inv_rms * d(raw) = G;  dx' += G phi^T - x' * inv_rms^2 / K * sum(d(raw) * raw)
-    g_pre = a_pre * dl_pre
-    g_post = a_post * dl_post
-    g_res = a_res * dl_res
-    g_dot_raw = (tl.sum(g_pre * raw_pre, axis=1) + tl.sum(g_post * raw_post, axis=1)
-                 + tl.sum(tl.sum(g_res * raw_res, axis=2), axis=1))
-    rms_factor = -(rinv * rinv / K) * g_dot_raw
-    row = aux_ptr + t64 * NP
-    tl.store(row[:, None] + i[None, :], rinv[:, None] * g_pre, mask=m2)
-    tl.store(row[:, None] + n + i[None, :], rinv[:, None] * g_post, mask=m2)
-    tl.store(row[:, None, None] + 2 * n + ij[None, :, :], rinv[:, None, None] * g_res, mask=m3)
+    tl.store(aux_row[:, None] + n + i[None, :], rinv[:, None] * a_post * dl_post, mask=tm2)
+    tl.store(aux_row[:, None, None] + 2 * n + ij[None, :, :], rinv[:, None, None] * a_res * dl_res, mask=tm3)
     col = tl.arange(0, NP)
+    rms_factor = -(rinv * rinv / K) * g_dot_raw
     tail = tl.where(col[None, :] == N, rms_factor[:, None], 0.0)
-    tl.store(row[:, None] + col[None, :], tail, mask=m2 & (col >= N)[None, :])
+    tl.store(aux_row[:, None] + col[None, :], tail, mask=tm2 & (col >= N)[None, :])
 
-    # This program's share of d(bias) [N] and d(alpha) [3]: one partial row, summed on the host side.
-    part = part_ptr + pid * (N + 3)
-    tl.store(part + i, tl.sum(dl_pre, axis=0))
     tl.store(part + n + i, tl.sum(dl_post, axis=0))
     tl.store(part + 2 * n + ij, tl.sum(dl_res, axis=0))
-    tl.store(part + N, tl.sum(tl.sum(dl_pre * raw_pre, axis=1), axis=0))
+    tl.store(part + N, dalpha_pre)
     tl.store(part + N + 1, tl.sum(tl.sum(dl_post * raw_post, axis=1), axis=0))
     tl.store(part + N + 2, tl.sum(tl.sum(tl.sum(dl_res * raw_res, axis=2), axis=1), axis=0))
 
@@ -108,73 +116,85 @@ def stream_bwd_kernel(
     splits = tl.num_programs(1)
     c = pid_c * BC + tl.arange(0, BC)
     cmask = c < C
-    i = tl.arange(0, n)
     col = tl.arange(0, NP)
     K = n * C
-    phi_row = i[:, None] * C + c[None, :]                                # [n, BC]
     if COEF:
-        ph = tl.load(phi_ptr + phi_row[:, :, None] * N + col[None, None, :],
-                     mask=cmask[None, :, None] & (col < N)[None, None, :], other=0.0).to(tl.float32)
-        phi_t = tl.trans(tl.reshape(ph, [n * BC, NP]))                  # [NP, n*BC]
-        a_pre = tl.load(alpha_ptr)
-        b_pre = tl.load(bias_ptr + i)
-        dphi = tl.zeros([n * BC, NP], tl.float32)
+        dphi = ()  # the d(phi) rows of this program's channels, one [BC, NP] tile per stream
+        for i in tl.static_range(n):
+            dphi = dphi + (tl.zeros([BC, NP], tl.float32),)
 
     for tb in range(pid_s, tl.cdiv(T, BT), splits):
         t = tb * BT + tl.arange(0, BT)
         tmask = t < T
         t64 = t.to(tl.int64)
+        row = t64 * K
         m2 = tmask[:, None] & cmask[None, :]
-        m3 = tmask[:, None, None] & cmask[None, None, :]
-        stream_off = t64[:, None, None] * K + i[None, :, None] * C + c[None, None, :]
+        xs = load_streams(x_ptr, row, c, m2, C, n)
         if APPLY:
-            hpost = tl.load(hpost_ptr + t64[:, None] * n + i[None, :], mask=tmask[:, None], other=0.0)
-            xs = load_apply(x_ptr, y_ptr, hres_ptr, hpost, t64, tmask, i, c, cmask, C, n, BT, BC)
-            dxt = tl.load(dxo_ptr + stream_off, mask=m3, other=0.0).to(tl.float32)
+            h_res, h_post = load_mixing(hres_ptr, hpost_ptr, t64, tmask, n)
+            y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            dxt = load_streams(dxo_ptr, row, c, m2, C, n)
         else:
-            xs = tl.load(x_ptr + stream_off, mask=m3, other=0.0).to(tl.float32)
-            dxt = tl.zeros([BT, n, BC], tl.float32)
+            dxt = ()
+            for i in tl.static_range(n):
+                dxt = dxt + (tl.zeros([BT, BC], tl.float32),)
         if COEF:
-            if APPLY:
-                xs = xs.to(x_ptr.dtype.element_ty).to(tl.float32)     # x' as the forward stored it
             du = tl.load(du_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            raw_pre = tl.load(raw_ptr + t64[:, None] * N + i[None, :], mask=tmask[:, None], other=0.0)
-            h_pre = sigmoid(a_pre * raw_pre + b_pre[None, :])
             g = tl.load(aux_ptr + t64[:, None] * NP + col[None, :], mask=tmask[:, None], other=0.0)
             rms_factor = tl.load(aux_ptr + t64 * NP + N, mask=tmask, other=0.0)
-            dxt += (h_pre[:, :, None] * du[:, None, :] + rms_factor[:, None, None] * xs
-                    + tl.reshape(tl.dot(g, phi_t), [BT, n, BC]))
-            dphi += tl.dot(tl.trans(tl.reshape(xs, [BT, n * BC])), g)
+            h_pre = pre_gates(raw_ptr, alpha_ptr, bias_ptr, t64, tmask, N, n)
+            grads = ()
+            sums = ()
+            for i in tl.static_range(n):
+                if APPLY:  # x'_i recomputed (one stream at a time: fewer live tiles), rounded as stored
+                    xi = apply_stream(xs, y, h_res, h_post, i, n).to(x_ptr.dtype.element_ty).to(tl.float32)
+                else:
+                    xi = xs[i]
+                # phi^T tile re-read per token block (L1-resident): held across the loop it would sit
+                # in the replicated dot-operand layout
+                phi_t = tl.load(phi_ptr + (i * C + c)[None, :] * N + col[:, None],
+                                mask=cmask[None, :] & (col < N)[:, None], other=0.0).to(tl.float32)
+                grads = grads + (dxt[i] + h_pre[i][:, None] * du + rms_factor[:, None] * xi + tl.dot(g, phi_t),)
+                sums = sums + (dphi[i] + tl.dot(tl.trans(xi), g),)
+            dxt = grads
+            dphi = sums
         if APPLY:
-            yv = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            dy = tl.sum(hpost[:, :, None] * dxt, axis=1)
+            dy = h_post[0][:, None] * dxt[0]
+            for i in tl.static_range(1, n):
+                dy += h_post[i][:, None] * dxt[i]
             tl.store(dy_ptr + t64[:, None] * C + c[None, :], dy.to(dy_ptr.dtype.element_ty), mask=m2)
-            part_row = pid_c * T + t64
-            tl.store(dhpost_part_ptr + part_row[:, None] * n + i[None, :], tl.sum(dxt * yv[:, None, :], axis=2),
-                     mask=tmask[:, None])
+            part_row = pid_c * T + t64   # per channel tile partial sums of dH_res, dH_post
+            for i in tl.static_range(n):
+                tl.store(dhpost_part_ptr + part_row * n + i, tl.sum(dxt[i] * y, axis=1), mask=tmask)
+                for j in tl.static_range(n):
+                    tl.store(dhres_part_ptr + part_row * (n * n) + i * n + j, tl.sum(dxt[i] * xs[j], axis=1),
+                             mask=tmask)
+            dx = ()
             for j in tl.static_range(n):
-                xj = tl.load(x_ptr + t64[:, None] * K + j * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-                hj = tl.load(hres_ptr + t64[:, None] * (n * n) + i[None, :] * n + j, mask=tmask[:, None], other=0.0)
-                dxj = tl.sum(hj[:, :, None] * dxt, axis=1)
-                tl.store(dx_ptr + t64[:, None] * K + j * C + c[None, :], dxj.to(dx_ptr.dtype.element_ty), mask=m2)
-                tl.store(dhres_part_ptr + part_row[:, None] * (n * n) + i[None, :] * n + j,
-                         tl.sum(dxt * xj[:, None, :], axis=2), mask=tmask[:, None])
+                acc = h_res[j][:, None] * dxt[0]
+                for i in tl.static_range(1, n):
+                    acc += h_res[i * n + j][:, None] * dxt[i]
+                dx = dx + (acc,)
+            store_streams(dx_ptr, row, c, m2, dx, C, n)
         else:
-            tl.store(dx_ptr + stream_off, dxt.to(dx_ptr.dtype.element_ty), mask=m3)
+            store_streams(dx_ptr, row, c, m2, dxt, C, n)
 
     if COEF:
-        out = dphi_part_ptr + pid_s.to(tl.int64) * K * NP + phi_row[:, :, None] * NP + col[None, None, :]
-        tl.store(out, tl.reshape(dphi, [n, BC, NP]), mask=cmask[None, :, None])
+        for i in tl.static_range(n):
+            tl.store(dphi_part_ptr + pid_s.to(tl.int64) * K * NP + (i * C + c)[:, None] * NP + col[None, :],
+                     dphi[i], mask=cmask[:, None])
 
 
 # ---------------------------------------------------------------- launchers (make_fx traceable)
 
+# Block sizes: registers are the constraint (sm_90 compile of stream_bwd at n=4: BT=16, BC=64 and
+# 8 warps is the largest tile without spills); the bench's --sweep times the alternatives.
 def coef_bwd_config(device: torch.device) -> dict:
-    return dict(BT=32, BC=64, num_warps=4) if device.type == "cuda" else dict(BT=16, BC=32, num_warps=4)
+    return dict(BT=32, BC=128, num_warps=8) if device.type == "cuda" else dict(BT=16, BC=32, num_warps=4)
 
 
 def stream_bwd_config(device: torch.device) -> dict:
-    return dict(BT=32, BC=64, num_warps=8) if device.type == "cuda" else dict(BT=16, BC=32, num_warps=4)
+    return dict(BT=16, BC=64, num_warps=8) if device.type == "cuda" else dict(BT=16, BC=32, num_warps=4)
 
 
 def launch_coef_bwd(launch, xs, du, dh_post, dh_res, raw, rinv, alpha, bias, iters: int, cfg: dict | None = None):
@@ -182,7 +202,7 @@ def launch_coef_bwd(launch, xs, du, dh_post, dh_res, raw, rinv, alpha, bias, ite
     T, n, C = xs.shape
     N, NP = num_coefficients(n), padded_columns(n)
     cfg = dict(coef_bwd_config(xs.device) if cfg is None else cfg)
-    BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"))
+    BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"), n)
     programs = triton.cdiv(T, BT)
     aux = torch.empty((T, NP), device=xs.device, dtype=torch.float32)
     part = torch.empty((programs, N + 3), device=xs.device, dtype=torch.float32)
@@ -200,9 +220,9 @@ def launch_stream_bwd(launch, x, y, h_res, h_post, dx_new, du, aux, raw, alpha, 
     N, NP = num_coefficients(n), padded_columns(n)
     apply, coef = y is not None, du is not None
     cfg = dict(stream_bwd_config(x.device) if cfg is None else cfg)
-    BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"))
+    BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"), n)
     chunks = triton.cdiv(C, BC)
-    splits = max(1, program_slots(x.device) // chunks)
+    splits = cfg.pop("splits", None) or max(1, program_slots(x.device) // chunks)
     f32 = dict(device=x.device, dtype=torch.float32)
     dx = torch.empty_like(x)
     dy = torch.empty_like(y) if apply else None

@@ -14,18 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_util import (channel_block, check_streams, load_apply, num_coefficients,
-                                  padded_columns, sigmoid, sinkhorn_fwd)
+from kernels._triton_util import (apply_streams, channel_block, check_streams, load_mixing, load_streams,
+                                  num_coefficients, padded_columns, pre_gates, sigmoid, sinkhorn_fwd,
+                                  store_streams)
 from kernels.mhc_reference import RMS_EPS
-
-
-@triton.jit
-def _take_columns(tile, START: tl.constexpr, WIDTH: tl.constexpr, NP: tl.constexpr):
-    """Columns [START, START+WIDTH) of a [BT, NP] register tile, as a [BT, WIDTH] tile."""
-    col = tl.arange(0, NP)
-    want = START + tl.arange(0, WIDTH)
-    hit = col[None, None, :] == want[None, :, None]
-    return tl.sum(tl.where(hit, tile[:, None, :], 0.0), axis=2)
 
 
 @triton.jit
@@ -40,12 +32,11 @@ def coef_premix_kernel(
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
-    i = tl.arange(0, n)
     col = tl.arange(0, NP)
     K = n * C
-    stream_off = t64[:, None, None] * K + i[None, :, None] * C          # [BT, n, 1]
+    row = t64 * K                                   # offset of token t's first stream
     if APPLY:
-        hpost = tl.load(hpost_ptr + t64[:, None] * n + i[None, :], mask=tmask[:, None], other=0.0)
+        h_res_in, h_post_in = load_mixing(hres_ptr, hpost_ptr, t64, tmask, n)
         src_ptr = xnew_ptr
     else:
         src_ptr = x_ptr
@@ -56,47 +47,51 @@ def coef_premix_kernel(
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
         cmask = c < C
-        m3 = tmask[:, None, None] & cmask[None, None, :]
+        m2 = tmask[:, None] & cmask[None, :]
+        xs = load_streams(x_ptr, row, c, m2, C, n)
         if APPLY:
-            xs = load_apply(x_ptr, y_ptr, hres_ptr, hpost, t64, tmask, i, c, cmask, C, n, BT, BC)
-            xq = xs.to(xnew_ptr.dtype.element_ty)
-            tl.store(xnew_ptr + stream_off + c[None, None, :], xq, mask=m3)
-            xs = xq.to(tl.float32)  # the coefficients see x' as stored, like the reference
-        else:
-            xs = tl.load(x_ptr + stream_off + c[None, None, :], mask=m3, other=0.0).to(tl.float32)
-        ss += tl.sum(tl.sum(xs * xs, axis=2), axis=1)
-        phi_row = i[:, None] * C + c[None, :]                             # [n, BC]
-        ph = tl.load(phi_ptr + phi_row[:, :, None] * N + col[None, None, :],
-                     mask=cmask[None, :, None] & (col < N)[None, None, :], other=0.0).to(tl.float32)
-        acc += tl.dot(tl.reshape(xs, [BT, n * BC]), tl.reshape(ph, [n * BC, NP]))
+            y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            store_streams(xnew_ptr, row, c, m2, apply_streams(xs, y, h_res_in, h_post_in, n), C, n)
+            # The projection reads x' back as stored (the reference rounds it too). Reading it from
+            # memory, not registers, also stops Triton from recomputing the apply in the dot-operand
+            # layout (replicated across warps), which doubled the registers and spilled.
+            tl.debug_barrier()
+            xs = load_streams(xnew_ptr, row, c, m2, C, n)
+        for i in tl.static_range(n):
+            ss += tl.sum(xs[i] * xs[i], axis=1)
+            ph = tl.load(phi_ptr + (i * C + c)[:, None] * N + col[None, :],
+                         mask=cmask[:, None] & (col < N)[None, :], other=0.0).to(tl.float32)
+            acc += tl.dot(xs[i], ph)
 
-    # Coefficients, all per token in registers.
+    # Coefficients, per token in registers. raw goes through global memory (the backward needs it)
+    # and comes back in the [BT, n] / [BT, n, n] shapes the gates and Sinkhorn work on.
     rinv = tl.rsqrt(ss / K + EPS)
-    raw = acc * rinv[:, None]
-    tl.store(raw_ptr + t64[:, None] * N + col[None, :], raw, mask=tmask[:, None] & (col < N)[None, :])
+    tl.store(raw_ptr + t64[:, None] * N + col[None, :], acc * rinv[:, None], mask=tmask[:, None] & (col < N)[None, :])
     tl.store(rinv_ptr + t64, rinv, mask=tmask)
-    nn = tl.arange(0, n * n)
-    h_pre = sigmoid(tl.load(alpha_ptr) * _take_columns(raw, 0, n, NP) + tl.load(bias_ptr + i)[None, :])
-    h_post = 2.0 * sigmoid(tl.load(alpha_ptr + 1) * _take_columns(raw, n, n, NP)
+    tl.debug_barrier()  # raw (and x') written by other threads of this program are read below
+    i = tl.arange(0, n)
+    ij = i[:, None] * n + i[None, :]
+    tm2 = tmask[:, None]
+    tm3 = tmask[:, None, None]
+    raw_row = raw_ptr + t64 * N
+    h_post = 2.0 * sigmoid(tl.load(alpha_ptr + 1) * tl.load(raw_row[:, None] + n + i[None, :], mask=tm2, other=0.0)
                            + tl.load(bias_ptr + n + i)[None, :])
-    res_logits = (tl.load(alpha_ptr + 2) * _take_columns(raw, 2 * n, n * n, NP)
-                  + tl.load(bias_ptr + 2 * n + nn)[None, :])
-    h_res = sinkhorn_fwd(tl.reshape(res_logits, [BT, n, n]), ITERS)
-    tl.store(hpost_out_ptr + t64[:, None] * n + i[None, :], h_post, mask=tmask[:, None])
-    tl.store(hres_out_ptr + t64[:, None] * (n * n) + nn[None, :], tl.reshape(h_res, [BT, n * n]),
-             mask=tmask[:, None])
+    res_logits = (tl.load(alpha_ptr + 2) * tl.load(raw_row[:, None, None] + 2 * n + ij[None, :, :], mask=tm3, other=0.0)
+                  + tl.load(bias_ptr + 2 * n + ij)[None, :, :])
+    h_res = sinkhorn_fwd(res_logits, ITERS)
+    tl.store(hpost_out_ptr + t64[:, None] * n + i[None, :], h_post, mask=tm2)
+    tl.store(hres_out_ptr + t64[:, None, None] * (n * n) + ij[None, :, :], h_res, mask=tm3)
+    h_pre = pre_gates(raw_ptr, alpha_ptr, bias_ptr, t64, tmask, N, n)
 
-    # Pass 2: the pre-mix re-reads this program's streams (x' was written by other threads of it).
-    if APPLY:
-        tl.debug_barrier()
+    # Pass 2: the pre-mix re-reads this program's streams (x' as written in pass 1, from L2).
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
-        cmask = c < C
-        m3 = tmask[:, None, None] & cmask[None, None, :]
-        xs = tl.load(src_ptr + stream_off + c[None, None, :], mask=m3, other=0.0).to(tl.float32)
-        u = tl.sum(xs * h_pre[:, :, None], axis=1)
-        tl.store(u_ptr + t64[:, None] * C + c[None, :], u.to(u_ptr.dtype.element_ty),
-                 mask=tmask[:, None] & cmask[None, :])
+        m2 = tmask[:, None] & (c < C)[None, :]
+        xs = load_streams(src_ptr, row, c, m2, C, n)
+        u = h_pre[0][:, None] * xs[0]
+        for j in tl.static_range(1, n):
+            u += h_pre[j][:, None] * xs[j]
+        tl.store(u_ptr + t64[:, None] * C + c[None, :], u.to(u_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit
@@ -105,13 +100,13 @@ def apply_kernel(x_ptr, y_ptr, hres_ptr, hpost_ptr, xnew_ptr, T, C,
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     tmask = t < T
-    cmask = c < C
     t64 = t.to(tl.int64)
-    i = tl.arange(0, n)
-    hpost = tl.load(hpost_ptr + t64[:, None] * n + i[None, :], mask=tmask[:, None], other=0.0)
-    xs = load_apply(x_ptr, y_ptr, hres_ptr, hpost, t64, tmask, i, c, cmask, C, n, BT, BC)
-    off = t64[:, None, None] * (n * C) + i[None, :, None] * C + c[None, None, :]
-    tl.store(xnew_ptr + off, xs.to(xnew_ptr.dtype.element_ty), mask=tmask[:, None, None] & cmask[None, None, :])
+    m2 = tmask[:, None] & (c < C)[None, :]
+    row = t64 * (n * C)
+    h_res, h_post = load_mixing(hres_ptr, hpost_ptr, t64, tmask, n)
+    y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+    xs = apply_streams(load_streams(x_ptr, row, c, m2, C, n), y, h_res, h_post, n)
+    store_streams(xnew_ptr, row, c, m2, xs, C, n)
 
 
 # ---------------------------------------------------------------- launchers (make_fx traceable)
@@ -138,7 +133,7 @@ def launch_coef_premix(launch, x, y, h_res, h_post, phi, alpha, bias, iters: int
     h_res_out = torch.empty((T, n, n), **f32)
     raw = torch.empty((T, N), **f32)
     rinv = torch.empty((T,), **f32)
-    BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"))
+    BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"), n)
     grid = (triton.cdiv(T, BT),)
     launch(coef_premix_kernel)[grid](
         x, y if apply else x, h_res if apply else raw, h_post if apply else raw,
@@ -152,8 +147,7 @@ def launch_apply(launch, x, y, h_res, h_post):
     T, n, C = x.shape
     check_streams(n, C, "mhc apply")
     x_new = torch.empty_like(x)
-    BT, BC = (32, channel_block(C, 128)) if x.is_cuda else (16, channel_block(C, 32))
+    BT, BC, warps = (32, channel_block(C, 128, n), 8) if x.is_cuda else (16, channel_block(C, 32, n), 4)
     grid = (triton.cdiv(T, BT), triton.cdiv(C, BC))
-    launch(apply_kernel)[grid](x, y, h_res, h_post, x_new, T, C, n=n, BT=BT, BC=BC,
-                               num_warps=4)
+    launch(apply_kernel)[grid](x, y, h_res, h_post, x_new, T, C, n=n, BT=BT, BC=BC, num_warps=warps)
     return x_new

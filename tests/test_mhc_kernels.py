@@ -170,11 +170,12 @@ def test_compiles_fullgraph_on_cpu():
 
 # ---------------------------------------------------------------- GPU, compiled kernels, bf16
 
-GPU_SHAPES = [(4, 512, (3, 1000)), (2, 320, (777,)), (8, 96, (4, 129))]
+# n=8 only through post_pre, which runs every kernel (its register-heavy variants compile slowly).
+GPU_CASES = [(name, 4, 512, (3, 1000)) for name in ("pre", "post", "post_pre")] + [
+    (name, 2, 320, (777,)) for name in ("pre", "post", "post_pre")] + [("post_pre", 8, 96, (4, 129))]
 
 
-@pytest.mark.parametrize("name", ["pre", "post", "post_pre"])
-@pytest.mark.parametrize("n,C,lead", GPU_SHAPES)
+@pytest.mark.parametrize("name,n,C,lead", GPU_CASES)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_bf16_matches_fp32_reference(name, n, C, lead):
@@ -227,3 +228,42 @@ def test_gpu_opcheck():
                                 inp["bias"], 20)),
     ]:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+# ---------------------------------------------------------------- scripts/bench_kernels.py
+
+def test_bench_floor_bytes_are_the_stated_count():
+    from scripts.bench_kernels import floor_bytes_per_token
+    # n=4, C=512: fwd 10*C bf16 + 2*80 B coefficients + 100 B raw/inv_rms; bwd 15*C bf16 + 3*80 + 100
+    assert floor_bytes_per_token(4, 512) == {"fwd": 10_500, "bwd": 15_700, "fwd+bwd": 26_200}
+
+
+def test_bench_mhc_flags_parse_and_reject_bad_values():
+    from scripts.bench_kernels import parse_mhc_args
+    args = parse_mhc_args([])
+    assert (args.tokens, args.n, args.C, args.rep_ms, args.sweep) == ([32_768, 98_304], 4, 512, 200, False)
+    args = parse_mhc_args(["--tokens", "100", "200", "--n", "8", "--C", "96", "--rep-ms", "5", "--sweep"])
+    assert (args.tokens, args.n, args.C, args.rep_ms, args.sweep) == ([100, 200], 8, 96, 5, True)
+    for bad in (["--n", "3"], ["--C", "40"], ["--tokens", "0"], ["--rep-ms", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_mhc_args(bad)
+
+
+def test_bench_dispatches_subcommands(capsys):
+    from scripts.bench_kernels import main
+    with pytest.raises(SystemExit, match="usage: bench_kernels.py"):
+        main([])
+    with pytest.raises(SystemExit) as exit_info:  # mlp lives in scripts/bench_mlp.py, with its own flags
+        main(["mlp", "--help"])
+    assert exit_info.value.code == 0 and "--hidden" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            main(["mhc", "--tokens", "64"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bench_mhc_runs_with_sweep():
+    from scripts.bench_kernels import main
+    rows = main(["mhc", "--tokens", "3000", "--C", "512", "--rep-ms", "10", "--sweep"])
+    assert len(rows) == 9 and all(r["ms"] > 0 and r["pct"] > 0 for r in rows)

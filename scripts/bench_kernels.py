@@ -1,0 +1,204 @@
+"""Kernel benchmarks on a CUDA GPU, one subcommand per kernel family:
+
+    python scripts/bench_kernels.py mhc [--tokens 32768 98304] [--n 4] [--C 512] [--rep-ms 200] [--sweep]
+    python scripts/bench_kernels.py mlp ...   (scripts/bench_mlp.py: its own flags)
+
+`mhc` times one steady-state mHC unit, mhc_post_pre (apply of sublayer l + coefficients and pre-mix
+of sublayer l+1, with the sublayer output y given), in bf16: forward, backward and forward+backward
+of the eager PyTorch reference, torch.compile of the reference, and the Triton kernels. Each time is
+compared with the floor set by the bytes that must move (printed per token) at the device-to-device
+copy bandwidth measured in the same run. `--sweep` also times each Triton kernel alone under several
+block configurations.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from kernels import mhc_reference as R
+
+COPY_BYTES = 1 << 30
+SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the default)
+    "coef_premix": [dict(BT=32, BC=64, num_warps=8), dict(BT=16, BC=64, num_warps=8), dict(BT=32, BC=32, num_warps=4),
+                    dict(BT=16, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=4), dict(BT=64, BC=64, num_warps=8)],
+    "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=32, BC=64, num_warps=4), dict(BT=64, BC=64, num_warps=8),
+                 dict(BT=16, BC=128, num_warps=4)],
+    "stream_bwd": [dict(BT=16, BC=64, num_warps=8), dict(BT=16, BC=64, num_warps=8, splits=33),
+                   dict(BT=16, BC=64, num_warps=8, splits=132), dict(BT=32, BC=64, num_warps=8),
+                   dict(BT=16, BC=32, num_warps=4), dict(BT=16, BC=128, num_warps=8)],
+}
+
+
+# ---------------------------------------------------------------- bytes that must move
+
+def floor_bytes_per_token(n: int, C: int, stream_bytes: int = 2) -> dict[str, int]:
+    """Bytes per token one mhc_post_pre must move: each input read once, each output written once.
+
+    forward:  reads x (n*C) and y (C), writes x' (n*C) and u (C)            -> (2n+2)*C stream elements
+              + fp32 coefficients: reads H_res, H_post; writes H_res', H_post', raw (n^2+2n), inv_rms
+    backward: reads dx' (n*C), du (C), x (n*C), y (C); writes dx (n*C), dy (C) -> (3n+3)*C elements
+              + fp32: reads dH_res', dH_post', H_res, H_post, raw, inv_rms; writes dH_res, dH_post
+    (x' is recomputed from x and y in the backward rather than read.)
+    """
+    coef = 4 * (n * n + n)
+    saved = 4 * (R.mhc_num_coefficients(n) + 1)
+    fwd = stream_bytes * (2 * n + 2) * C + 2 * coef + saved
+    bwd = stream_bytes * (3 * n + 3) * C + 3 * coef + saved
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}
+
+
+# ---------------------------------------------------------------- timing
+
+def bench_ms(fn, rep_ms: int) -> float:
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median")
+
+
+def copy_bandwidth(rep_ms: int) -> float:
+    """Bytes/s of a large device-to-device copy (bytes read + bytes written)."""
+    src = torch.randn(COPY_BYTES // 2, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return 2 * COPY_BYTES / (bench_ms(lambda: dst.copy_(src), rep_ms) * 1e-3)
+
+
+def make_inputs(T: int, n: int, C: int) -> list[torch.Tensor]:
+    """x, h_res, h_post, y, phi, alpha, bias of one sublayer pair, random (never zeros), bf16 streams."""
+    dev = "cuda"
+    x = torch.randn(T, n, C, device=dev).bfloat16()
+    h_res = R.sinkhorn_knopp(torch.randn(T, n, n, device=dev), 20)
+    h_post = 2 * torch.sigmoid(torch.randn(T, n, device=dev))
+    y = torch.randn(T, C, device=dev).bfloat16()
+    phi = torch.randn(n * C, R.mhc_num_coefficients(n), device=dev) / (n * C) ** 0.5
+    alpha = torch.full((3,), 0.5, device=dev)
+    bias = R.mhc_init_bias(n).to(dev)
+    return [x, h_res, h_post, y, phi, alpha, bias]
+
+
+def pass_timings(fn, inputs: list[torch.Tensor], rep_ms: int) -> dict[str, float]:
+    """Milliseconds of forward (training mode), backward (retained graph) and forward+backward."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    outs = fn(*leaves)
+    cotangents = [torch.randn_like(o) for o in outs]
+
+    def forward_backward():
+        torch.autograd.grad(fn(*leaves), leaves, cotangents)
+
+    return {
+        "fwd": bench_ms(lambda: fn(*leaves), rep_ms),
+        "bwd": bench_ms(lambda: torch.autograd.grad(outs, leaves, cotangents, retain_graph=True), rep_ms),
+        "fwd+bwd": bench_ms(forward_backward, rep_ms),
+    }
+
+
+def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float) -> list[tuple]:
+    """Each Triton kernel alone under the SWEEP block configurations: (kernel, config, ms, % of copy bw)."""
+    from kernels.mhc_bwd import launch_coef_bwd, launch_stream_bwd
+    from kernels.mhc_fwd import launch_coef_premix
+
+    x, h_res, h_post, y, phi, alpha, bias = inputs
+    T, n, C = x.shape
+    direct = lambda kernel: kernel  # noqa: E731  (launch without the torch.compile wrapper)
+    x_new, u, hp, hr, raw, rinv = launch_coef_premix(direct, x, y, h_res, h_post, phi, alpha, bias, 20)
+    du, dhp, dhr = torch.randn_like(u), torch.randn_like(hp), torch.randn_like(hr)
+    aux, _, _ = launch_coef_bwd(direct, x_new, du, dhp, dhr, raw, rinv, alpha, bias, 20)
+    dxo = torch.randn_like(x)
+    runs = {
+        "coef_premix": (lambda cfg: launch_coef_premix(direct, x, y, h_res, h_post, phi, alpha, bias, 20, cfg),
+                        (2 * n + 2) * C * 2),
+        "coef_bwd": (lambda cfg: launch_coef_bwd(direct, x_new, du, dhp, dhr, raw, rinv, alpha, bias, 20, cfg),
+                     (n + 1) * C * 2),
+        "stream_bwd": (lambda cfg: launch_stream_bwd(direct, x, y, h_res, h_post, dxo, du, aux, raw, alpha, bias,
+                                                     phi, cfg), (3 * n + 3) * C * 2),
+    }
+    rows = []
+    for name, (run, stream_bytes) in runs.items():
+        for cfg in SWEEP[name]:
+            ms = bench_ms(lambda: run(cfg), rep_ms)
+            rows.append((name, ",".join(f"{k}={v}" for k, v in cfg.items()), ms,
+                         100 * stream_bytes * T / copy_bps / (ms * 1e-3)))
+    return rows
+
+
+# ---------------------------------------------------------------- mhc subcommand
+
+def parse_mhc_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench_kernels.py mhc", description="mHC fused-kernel benchmark (bf16)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[32_768, 98_304], help="token counts to time")
+    p.add_argument("--n", type=int, default=4, help="number of residual streams (a power of two)")
+    p.add_argument("--C", type=int, default=512, help="stream width (a multiple of 16)")
+    p.add_argument("--rep-ms", type=int, default=200, help="milliseconds of timed repeats per measurement")
+    p.add_argument("--sweep", action="store_true", help="also time each Triton kernel under several block configs")
+    args = p.parse_args(argv)
+    if min(args.tokens) <= 0 or args.rep_ms <= 0:
+        p.error(f"--tokens and --rep-ms must be positive, got {args.tokens} and {args.rep_ms}")
+    if args.n < 2 or args.n & (args.n - 1) or args.C <= 0 or args.C % 16:
+        p.error(f"--n must be a power of two >= 2 and --C a positive multiple of 16, got n={args.n} C={args.C}")
+    return args
+
+
+def mhc_main(argv: list[str]) -> list[dict]:
+    args = parse_mhc_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels.py mhc: needs a CUDA GPU (the timings use CUDA events)")
+    from kernels import mhc as K
+
+    torch.manual_seed(0)
+    n, C = args.n, args.C
+    per_token = floor_bytes_per_token(n, C)
+    copy_bps = copy_bandwidth(args.rep_ms)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  n={n} C={C} bf16 streams")
+    print(f"copy bandwidth (1 GiB D2D, read+write): {copy_bps / 1e9:.0f} GB/s")
+    print(f"floor bytes/token: fwd {per_token['fwd']}, bwd {per_token['bwd']}, fwd+bwd {per_token['fwd+bwd']} "
+          f"(= {(5 * n + 5)} * C bf16 stream elements + fp32 coefficients)")
+    impls = {"eager reference": R.mhc_post_pre,
+             "compiled reference": torch.compile(R.mhc_post_pre, dynamic=False),
+             "triton kernels": K.mhc_post_pre}
+    rows = []
+    for T in args.tokens:
+        inputs = make_inputs(T, n, C)
+        for impl, fn in impls.items():
+            for pass_name, ms in pass_timings(fn, inputs, args.rep_ms).items():
+                floor_ms = per_token[pass_name] * T / copy_bps * 1e3
+                rows.append(dict(tokens=T, impl=impl, pass_name=pass_name, ms=ms,
+                                 gbps=per_token[pass_name] * T / (ms * 1e-3) / 1e9, pct=100 * floor_ms / ms))
+        del inputs
+    if args.sweep:
+        print(f"\nper-kernel block sweep at {max(args.tokens)} tokens (% of copy bandwidth on the kernel's own "
+              "stream bytes)")
+        print(f"{'kernel':<12} {'config':<40} {'ms':>8} {'% copy':>7}")
+        for name, cfg, ms, pct in sweep_rows(make_inputs(max(args.tokens), n, C), args.rep_ms, copy_bps):
+            print(f"{name:<12} {cfg:<40} {ms:8.3f} {pct:6.1f}%")
+    print(f"\nmhc_post_pre, one sublayer pair: time, floor bytes / time, and floor time / time")
+    print(f"{'tokens':>7} {'implementation':<20} {'pass':<8} {'ms':>8} {'GB/s':>7} {'% floor':>8}")
+    for r in rows:
+        print(f"{r['tokens']:>7} {r['impl']:<20} {r['pass_name']:<8} {r['ms']:8.3f} {r['gbps']:7.0f} {r['pct']:7.1f}%")
+    return rows
+
+
+# ---------------------------------------------------------------- dispatch
+
+SUBCOMMANDS = ("mhc", "mlp")
+
+
+def main(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        raise SystemExit(f"usage: bench_kernels.py {{{','.join(SUBCOMMANDS)}}} [options]; got {argv[:1] or 'nothing'}"
+                         "\nhint: `bench_kernels.py mhc --help` lists the mHC options")
+    if argv[0] == "mlp":
+        try:
+            from scripts import bench_mlp
+        except ImportError as e:
+            raise SystemExit(f"bench_kernels.py mlp: scripts/bench_mlp.py could not be imported ({e})") from e
+        return bench_mlp.main(argv[1:])
+    return mhc_main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()
