@@ -9,20 +9,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from data.demo import make_demo
 from model.gpt import GPT
 from training.config import load_config
 from training.optim import build_optimizers
 from training.trainer import grad_accum_steps, train_step
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def demo_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("demo")
-    make_demo(out, seed=0, train_docs=1500, val_docs=40)
-    return out
 
 
 def tiny_overrides(data: Path, tmp: Path) -> list[str]:
