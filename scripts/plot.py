@@ -1,0 +1,147 @@
+"""Plot training loss and validation BPB of one or more runs, overlaid, from their logs.
+
+    python -m scripts.plot logs/a.txt logs/b.txt --out plots/
+
+Writes loss_vs_step.png, loss_vs_time.png, bpb_vs_step.png and bpb_vs_time.png (time is the
+training wall clock, evaluation excluded, as the run logged it). Validation BPB comes from the
+periodic `eval` lines (eval.every_steps); the score of the shipped artifact is drawn as a marker
+at the run's last step, so a run without periodic evaluations still shows its final point.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never needs a display
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python scripts/plot.py` as well as `python -m scripts.plot`
+    sys.path.insert(0, str(REPO))
+
+from scripts.runlog import LogFormatError, RunLogData, parse_log  # noqa: E402
+
+AXES = {"step": ("step", "step"), "time": ("train_time_s", "training time (s)")}
+
+
+def run_labels(logs: list[RunLogData]) -> list[str]:
+    """Run ids; a run id seen twice (same name, different folders) gets its file path added."""
+    ids = [log.label for log in logs]
+    return [f"{rid} ({log.source})" if ids.count(rid) > 1 else rid for rid, log in zip(ids, logs)]
+
+
+def final_point(log: RunLogData) -> dict | None:
+    """{step, train_time_s, val_bpb} of the shipped artifact, or None for an unfinished run."""
+    scored = log.final or log.stage_evals.get("artifact")
+    if scored is None or "val_bpb" not in scored:
+        return None
+    last = log.steps[-1] if log.steps else {}
+    return {"step": scored.get("steps", last.get("step")),
+            "train_time_s": scored.get("train_time_s", last.get("train_time_s")),
+            "val_bpb": scored["val_bpb"]}
+
+
+def loss_figure(logs: list[RunLogData], labels: list[str], axis: str) -> Figure:
+    key, xlabel = AXES[axis]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for log, label in zip(logs, labels):
+        steps = log.require_steps()
+        ax.plot([s[key] for s in steps], [s["loss"] for s in steps], label=label, linewidth=1.2)
+    ax.set(xlabel=xlabel, ylabel="train loss (nats/token)", title=f"training loss vs {xlabel}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def bpb_figure(logs: list[RunLogData], labels: list[str], axis: str) -> Figure | None:
+    """None when no run has any BPB to show (no periodic evals and no final score)."""
+    key, xlabel = AXES[axis]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    drawn = False
+    for log, label in zip(logs, labels):
+        curve = [(e[key], e["val_bpb"]) for e in log.evals if key in e]
+        final = final_point(log)
+        color = None
+        if curve:
+            (line,) = ax.plot(*zip(*curve), label=label, linewidth=1.2, marker=".")
+            color = line.get_color()
+        if final is not None and final[key] is not None:
+            ax.plot([final[key]], [final["val_bpb"]], linestyle="none", marker="*", markersize=11, color=color,
+                    label=f"{label} (artifact)" if curve else label)
+        drawn = drawn or bool(curve) or final is not None
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set(xlabel=xlabel, ylabel="validation bits per byte",
+           title=f"validation BPB vs {xlabel} (star: quantized artifact)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def build_figures(logs: list[RunLogData]) -> dict[str, Figure]:
+    """{file stem: figure}; a missing bpb figure means no run had a BPB to plot."""
+    labels = run_labels(logs)
+    figures = {f"loss_vs_{axis}": loss_figure(logs, labels, axis) for axis in AXES}
+    for axis in AXES:
+        fig = bpb_figure(logs, labels, axis)
+        if fig is not None:
+            figures[f"bpb_vs_{axis}"] = fig
+    return figures
+
+
+def save_png_atomic(fig: Figure, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", dpi=120)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def plot_logs(paths: list[str | Path], out: str | Path) -> list[Path]:
+    """Parse every log first (a bad one fails before anything is written), then write the PNGs."""
+    logs = [parse_log(p) for p in paths]
+    for log in logs:
+        log.require_steps()
+    figures = build_figures(logs)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for stem, fig in figures.items():
+        path = out / f"{stem}.png"
+        save_png_atomic(fig, path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv=None) -> list[Path]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("logs", nargs="+", help="train.py logs (logs/<run_id>.txt)")
+    p.add_argument("--out", default="plots", help="folder for the PNG files (default: plots)")
+    a = p.parse_args(argv)
+    try:
+        written = plot_logs(a.logs, a.out)
+    except (LogFormatError, FileNotFoundError) as e:
+        raise SystemExit(f"plot: {e}") from None
+    for path in written:
+        print(path)
+    if not any(path.stem.startswith("bpb_") for path in written):
+        print("no validation BPB in any log (no eval lines and no final line): only loss plots written",
+              file=sys.stderr)
+    return written
+
+
+if __name__ == "__main__":
+    main()

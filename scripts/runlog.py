@@ -1,0 +1,125 @@
+"""Read a train.py run log (logs/<run_id>.txt, or the run's captured stdout) back into data.
+
+A log is plain text; the machine-readable lines are `<kind> {json}` written by
+training.run_log.RunLog.record / .final, plus the header lines `run …`, `versions {json}` and
+`config {json}`. Everything else (phase timings, quantization notes) is for people and is skipped.
+
+A resumed run appends to the same file, so step numbers can go back: the records from the resumed
+step on replace the ones the interrupted process had written, leaving one trajectory.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HEADER = re.compile(r"^run (?P<run_id>\S+)\s+commit (?P<commit>\S+)\s+world_size (?P<world_size>\d+)"
+                    r"\s+device (?P<device>\S+)")
+JSON_KINDS = ("step", "eval", "final", "config", "versions")
+
+
+class LogFormatError(ValueError):
+    """A log line that claims a record kind but does not hold one, or a log missing a needed part."""
+
+
+@dataclass
+class RunLogData:
+    source: str                                  # file name (or "stdout of …") for error messages
+    run_id: str | None = None
+    commit: str | None = None
+    world_size: int | None = None
+    device: str | None = None
+    versions: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
+    steps: list[dict] = field(default_factory=list)        # `step` records, in step order
+    evals: list[dict] = field(default_factory=list)        # periodic evals (they carry "step")
+    stage_evals: dict[str, dict] = field(default_factory=dict)  # end-of-run evals by stage
+    final: dict | None = None
+
+    @property
+    def label(self) -> str:
+        return self.run_id or Path(self.source).stem
+
+    def require_steps(self) -> list[dict]:
+        if not self.steps:
+            raise LogFormatError(f"{self.source}: no `step {{json}}` lines (hint: is this a train.py log? "
+                                 "A run logs its first step and every train.log_every steps)")
+        return self.steps
+
+    def require_final(self) -> dict:
+        if self.final is None:
+            raise LogFormatError(f"{self.source}: no `final {{json}}` line (hint: the run did not finish; "
+                                 "a log is complete only after export and evaluation)")
+        return self.final
+
+    def config_value(self, dotted: str):
+        """config_value('train.seed') -> the value from the `config` line, with a clear error."""
+        section, _, key = dotted.partition(".")
+        try:
+            return self.config[section][key]
+        except KeyError:
+            raise LogFormatError(f"{self.source}: the `config` line has no {dotted} "
+                                 "(hint: a log from an older train.py, or no config line at all)") from None
+
+
+def _decode(payload: str, kind: str, where: str) -> dict:
+    try:
+        value = json.loads(payload)
+    except json.JSONDecodeError as e:
+        raise LogFormatError(f"{where}: `{kind}` line is not valid JSON ({e}) "
+                             "(hint: a file truncated mid-line, or edited by hand?)") from None
+    if not isinstance(value, dict):
+        raise LogFormatError(f"{where}: `{kind}` line holds {type(value).__name__}, expected a JSON object")
+    return value
+
+
+def _append_in_order(records: list[dict], record: dict, where: str) -> None:
+    """Keep one record per step; a step number going back means the run resumed from there."""
+    step = record.get("step")
+    if not isinstance(step, int):
+        raise LogFormatError(f"{where}: record has no integer 'step' field: {record}")
+    while records and records[-1]["step"] >= step:
+        records.pop()
+    records.append(record)
+
+
+def _apply_line(log: RunLogData, line: str, where: str) -> None:
+    header = HEADER.match(line)
+    if header:
+        log.run_id, log.commit, log.device = header["run_id"], header["commit"], header["device"]
+        log.world_size = int(header["world_size"])
+        return
+    kind, _, payload = line.partition(" ")
+    if kind not in JSON_KINDS or not payload.startswith("{"):
+        return  # free text for people (phase timings, quantization report, ...)
+    record = _decode(payload, kind, where)
+    if kind == "step":
+        _append_in_order(log.steps, record, where)
+    elif kind == "eval" and "stage" in record:
+        log.stage_evals[record["stage"]] = record
+    elif kind == "eval":
+        _append_in_order(log.evals, record, where)
+    elif kind == "final":
+        log.final = record
+    elif kind == "config":
+        log.config = record
+    else:
+        log.versions = record
+
+
+def parse_lines(lines, source: str) -> RunLogData:
+    log = RunLogData(source=source)
+    for number, line in enumerate(lines, start=1):
+        line = line.rstrip("\n")
+        if line:
+            _apply_line(log, line, f"{source}:{number}")
+    return log
+
+
+def parse_log(path: str | Path) -> RunLogData:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"run log {path} does not exist (hint: train.py writes logs/<run_id>.txt)")
+    with open(path, encoding="utf-8") as f:
+        return parse_lines(f, str(path))

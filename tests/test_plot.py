@@ -1,0 +1,121 @@
+"""scripts.plot and scripts.runlog on logs written by the real RunLog (same format as train.py's)."""
+from pathlib import Path
+
+import pytest
+
+from scripts import plot
+from scripts.runlog import LogFormatError, parse_lines, parse_log
+from training.run_log import RunLog
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_log(path: Path, run_id: str, losses: list[float], evals: dict[int, float] | None = None,
+              final_bpb: float | None = None, seconds_per_step: float = 0.5) -> Path:
+    log = RunLog(path, enabled=True)
+    log(f"run {run_id}  commit abc1234  world_size 1  device cpu")
+    log('versions {"python": "3.11.7", "torch": "2.13.0+cpu", "triton": "3.9.0"}')
+    log('config {"train": {"seed": 1}}')
+    log("phase setup 1.0 s")
+    for i, loss in enumerate(losses, start=1):
+        log.record("step", step=i, loss=loss, lr_mult=1.0, tok_s=100, train_time_s=i * seconds_per_step,
+                   done_pct=100 * i / len(losses), eta_s=0.0)
+        if evals and i in evals:
+            log.record("eval", step=i, train_time_s=i * seconds_per_step, val_bpb=evals[i], val_loss=2 * evals[i])
+    if final_bpb is not None:
+        log.record("eval", stage="artifact", val_bpb=final_bpb, val_loss=2 * final_bpb)
+        log.final({"run_id": run_id, "steps": len(losses), "train_time_s": len(losses) * seconds_per_step,
+                   "val_bpb": final_bpb, "val_loss": 2 * final_bpb})
+    else:
+        log._file.close()
+    return path
+
+
+def line_data(fig):
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in fig.axes[0].get_lines()}
+
+
+def test_parse_log_reads_header_records_and_final(tmp_path, capsys):
+    path = write_log(tmp_path / "a.txt", "run-a", [3.0, 2.5, 2.0], evals={2: 1.5}, final_bpb=1.4)
+    capsys.readouterr()
+    log = parse_log(path)
+    assert (log.run_id, log.commit, log.world_size, log.device) == ("run-a", "abc1234", 1, "cpu")
+    assert log.versions["torch"] == "2.13.0+cpu" and log.config == {"train": {"seed": 1}}
+    assert [s["loss"] for s in log.steps] == [3.0, 2.5, 2.0]
+    assert log.evals == [{"step": 2, "train_time_s": 1.0, "val_bpb": 1.5, "val_loss": 3.0}]
+    assert log.stage_evals["artifact"]["val_bpb"] == 1.4 and log.final["steps"] == 3
+    assert log.config_value("train.seed") == 1
+    with pytest.raises(LogFormatError, match="train.nope"):
+        log.config_value("train.nope")
+
+
+def test_resumed_log_keeps_one_trajectory():
+    lines = ['step {"step": 1, "loss": 5.0}', 'step {"step": 2, "loss": 4.0}', 'step {"step": 3, "loss": 3.9}',
+             "run r  commit x  world_size 2  device cuda:0",  # the resumed process, from step 2's checkpoint
+             'step {"step": 3, "loss": 3.5}', 'step {"step": 4, "loss": 3.0}']
+    log = parse_lines(lines, "resumed.txt")
+    assert [(s["step"], s["loss"]) for s in log.steps] == [(1, 5.0), (2, 4.0), (3, 3.5), (4, 3.0)]
+    assert log.world_size == 2
+
+
+def test_bad_json_names_file_and_line():
+    with pytest.raises(LogFormatError, match=r"broken.txt:2: `step` line is not valid JSON"):
+        parse_lines(['step {"step": 1, "loss": 5.0}', 'step {"step": 2, "loss"'], "broken.txt")
+
+
+def test_figures_overlay_runs_with_run_id_legend(tmp_path, capsys):
+    a = parse_log(write_log(tmp_path / "a.txt", "run-a", [3.0, 2.0, 1.5], evals={2: 1.8, 3: 1.6}, final_bpb=1.65))
+    b = parse_log(write_log(tmp_path / "b.txt", "run-b", [3.1, 2.9], final_bpb=2.2, seconds_per_step=2.0))
+    capsys.readouterr()
+    figs = plot.build_figures([a, b])
+    assert set(figs) == {"loss_vs_step", "loss_vs_time", "bpb_vs_step", "bpb_vs_time"}
+    assert line_data(figs["loss_vs_step"]) == {"run-a": ([1, 2, 3], [3.0, 2.0, 1.5]), "run-b": ([1, 2], [3.1, 2.9])}
+    assert line_data(figs["loss_vs_time"])["run-b"] == ([2.0, 4.0], [3.1, 2.9])
+    bpb = line_data(figs["bpb_vs_step"])
+    assert bpb["run-a"] == ([2, 3], [1.8, 1.6])
+    assert bpb["run-a (artifact)"] == ([3], [1.65])
+    assert bpb["run-b"] == ([2], [2.2]), "a run with only the final score still shows its final point"
+    assert line_data(figs["bpb_vs_time"])["run-b"] == ([4.0], [2.2])
+    assert [t.get_text() for t in figs["loss_vs_step"].axes[0].get_legend().get_texts()] == ["run-a", "run-b"]
+
+
+def test_same_run_id_in_two_folders_gets_distinct_labels(tmp_path, capsys):
+    (tmp_path / "x").mkdir(), (tmp_path / "y").mkdir()
+    logs = [parse_log(write_log(tmp_path / d / "t.txt", "tiny", [3.0, 2.0])) for d in ("x", "y")]
+    capsys.readouterr()
+    labels = plot.run_labels(logs)
+    assert len(set(labels)) == 2 and all(label.startswith("tiny (") for label in labels)
+
+
+def test_cli_writes_pngs_atomically(tmp_path, capsys):
+    a = write_log(tmp_path / "a.txt", "run-a", [3.0, 2.0, 1.5], evals={3: 1.6}, final_bpb=1.65)
+    b = write_log(tmp_path / "b.txt", "run-b", [3.1, 2.9, 2.5])  # unfinished: no final, no evals
+    out = tmp_path / "plots"
+    capsys.readouterr()
+    written = plot.main([str(a), str(b), "--out", str(out)])
+    assert sorted(p.name for p in written) == ["bpb_vs_step.png", "bpb_vs_time.png", "loss_vs_step.png",
+                                                "loss_vs_time.png"]
+    for path in written:
+        data = path.read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 5000
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in written), "no temp files left behind"
+    assert capsys.readouterr().out.split() == [str(p) for p in written]
+
+
+def test_cli_without_any_bpb_writes_only_loss_plots(tmp_path, capsys):
+    a = write_log(tmp_path / "a.txt", "run-a", [3.0, 2.0])
+    written = plot.main([str(a), "--out", str(tmp_path / "plots")])
+    assert sorted(p.name for p in written) == ["loss_vs_step.png", "loss_vs_time.png"]
+    assert "no validation BPB" in capsys.readouterr().err
+
+
+def test_log_without_steps_is_an_error_naming_the_file(tmp_path, capsys):
+    good = write_log(tmp_path / "good.txt", "run-a", [3.0, 2.0])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("run x  commit y  world_size 1  device cpu\nphase setup 1.0 s\n")
+    out = tmp_path / "plots"
+    with pytest.raises(SystemExit, match=r"empty\.txt: no `step \{json\}` lines"):
+        plot.main([str(good), str(empty), "--out", str(out)])
+    assert not out.exists(), "nothing is written when any log is bad"
+    with pytest.raises(SystemExit, match="missing.txt does not exist"):
+        plot.main([str(tmp_path / "missing.txt"), "--out", str(out)])
