@@ -5,10 +5,14 @@ Forward:  one Triton GEMM x·W_upᵀ whose epilogue stores post = leaky_relu(pre
 Backward: one Triton GEMM dpre = (dy·W_down) ⊙ act_grad (multiply in the epilogue), then
           dW_down = dyᵀ·post, dW_up = dpreᵀ·x, dx = dpre·W_up through torch.mm.
 
-Both GEMMs are `torch.library.triton_op`s launched through `wrap_triton`, so torch.compile traces into
-them (the matrix products and everything around the MLP stay visible to Inductor) with no graph break;
-triton_op registers the op body itself as the fake (meta) implementation. Autograd is attached with
-`register_autograd` on the forward op.
+The two Triton GEMMs are launched through `wrap_triton` inside the `torch.library.triton_op`s
+mhcgolf::mlp_forward and mhcgolf::mlp_dpre, so torch.compile traces into them (the cuBLAS products and
+everything around the MLP stay visible to Inductor) with no graph break; triton_op registers each op
+body as its fake (meta) implementation. Autograd is attached with `register_autograd` on mlp_forward.
+
+Schedules (`SCHEDULES`, argument `schedule` of `fused_mlp`): "tiled" pointer kernel on any GPU, "tma"
+tensor-descriptor persistent kernel on Hopper; "auto" takes tma where it applies (measured faster on an
+H100, see kernels/mlp_triton.py).
 
 Where the kernels run: CUDA tensors always; CPU fp32/fp16 tensors when `kernels/mlp_triton.py` was
 imported with TRITON_INTERPRET=1 (the Triton interpreter), outside torch.compile tracing. Anything else
@@ -35,7 +39,7 @@ except ImportError:  # triton is a Linux-only dependency (pyproject.toml); other
     mlp_triton = None
 
 _INTERPRETER_DTYPES = (torch.float32, torch.float16)  # the interpreter has no bfloat16
-_INTERPRETER_PROGRAMS = 3  # persistent schedules on CPU: few programs, so each loops over several tiles
+_INTERPRETER_PROGRAMS = 3  # the tma schedule on CPU: few programs, so each loops over several tiles
 
 
 def kernels_used_for(t: torch.Tensor) -> bool:
@@ -60,8 +64,8 @@ def _has_data(t: torch.Tensor) -> bool:
     return True
 
 
-SCHEDULES = ("tiled", "persistent", "tma")
-_HOPPER_DEFAULT = "tma"
+SCHEDULES = ("tiled", "tma")
+_HOPPER_DEFAULT = "tma"  # measured fastest on an H100 (scripts/bench_mlp.py)
 
 
 def _byte_address(t: torch.Tensor) -> int:
@@ -112,9 +116,9 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aux: torch.
                 schedule: str, programs: int | None = None) -> None:
     """out (and aux) [M, N] from a [M, K] · b [K, N] with the given `mlp_triton.EPILOGUE_*`.
 
-    schedule: "tiled" (one program per tile), "persistent" or "tma" (`programs` looping programs,
-    default one per SM; 3 in the interpreter). out and aux must be contiguous; for "tiled"/"persistent" a and b may have any
-    strides (b is usually a transposed view); "tma" needs `tma_compatible` layouts.
+    schedule: "tiled" (one program per tile) or "tma" (`programs` looping programs, default one per
+    SM; 3 in the interpreter). out and aux must be contiguous; for "tiled" a and b may have any strides
+    (b is usually a transposed view); "tma" needs `tma_compatible` layouts.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"launch_gemm: schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -131,18 +135,13 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aux: torch.
             a, b, out, aux, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
             EPILOGUE=epilogue, IEEE_FP32=ieee_fp32)
         return
-    if schedule == "tma" and not tma_compatible(a, b, out, aux):
+    if not tma_compatible(a, b, out, aux):
         raise ValueError("launch_gemm: the tma schedule needs 16-byte aligned, unit-last-stride tensors; "
                          "hint: resolve_schedule() falls back to the tiled kernel")
     if programs is None and a.device.type == "cuda":
         programs = _sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device())
     elif programs is None:
         programs = _INTERPRETER_PROGRAMS
-    if schedule == "persistent":
-        wrap_triton(mlp_triton.mlp_gemm_persistent_kernel)[(programs,)](
-            a, b, out, aux, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
-            programs, EPILOGUE=epilogue, IEEE_FP32=ieee_fp32)
-        return
     if a.device.type == "cuda":
         # Device-side descriptors live in a small global scratch buffer that Triton requests through an
         # allocator held in a ContextVar, i.e. per thread: set it at every launch, because autograd runs
@@ -178,7 +177,8 @@ def mlp_dpre(dy: torch.Tensor, w_down: torch.Tensor, act_grad: torch.Tensor, sch
         return torch.mm(dy, w_down) * act_grad
     act_grad = act_grad.contiguous()  # the epilogue indexes act_grad and dpre with one row stride
     dpre = torch.empty_like(act_grad)
-    launch_gemm(dy, w_down, dpre, act_grad, mlp_triton.EPILOGUE_GRAD, resolve_schedule(schedule, dy, w_down, dpre, act_grad))
+    launch_gemm(dy, w_down, dpre, act_grad, mlp_triton.EPILOGUE_GRAD,
+                resolve_schedule(schedule, dy, w_down, dpre, act_grad))
     return dpre
 
 

@@ -107,8 +107,7 @@ def gemm_rows(x, w_up, w_down, rep_ms: int) -> tuple[list[list], list[list[str]]
     a process, so that each first launch includes compiling and autotuning its kernel. A schedule that
     fails to compile is reported in its row, not raised."""
     from kernels import mlp_triton
-    kernels = {"tiled": mlp_triton.mlp_gemm_kernel, "persistent": mlp_triton.mlp_gemm_persistent_kernel,
-               "tma": mlp_triton.mlp_gemm_tma_kernel}
+    kernels = {"tiled": mlp_triton.mlp_gemm_kernel, "tma": mlp_triton.mlp_gemm_tma_kernel}
     tokens, hidden = x.shape[0], w_up.shape[0]
     flop = 2 * tokens * x.shape[1] * hidden
     out, aux = (torch.empty(tokens, hidden, device="cuda", dtype=x.dtype) for _ in range(2))
@@ -213,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
 
     impls = make_impls()
     times = time_impls(impls, x, w_up, w_down, args.rep_ms)
-    for name in ("fused, tma (torch.compile)", "fused, persistent (torch.compile)", "reference (torch.compile)"):
+    for name in ("fused, tma (torch.compile)", "reference (torch.compile)"):
         if name in times:
             print_table(f"Kernels per forward+backward: {name} (torch.profiler)", ["kernel", "calls", "ms"],
                         kernel_breakdown(impls[name], x, w_up, w_down))
