@@ -1,4 +1,6 @@
 """Fixtures shared by several test files."""
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -12,3 +14,36 @@ def demo_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo")
     make_demo(out, seed=0, train_docs=1500, val_docs=40)
     return out
+
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_SEEDS = (7, 8)
+
+
+def tiny_run_overrides(data: Path, tmp: Path) -> list[str]:
+    """test_train's tiny CPU run, shortened further (4 steps, evals every 2), without its fixed run id."""
+    from test_train import tiny_overrides
+    return [o for o in tiny_overrides(data, tmp) if not o.startswith("train.run_id=")] + [
+        "train.max_steps=4", "train.log_every=2", "eval.every_steps=2", "eval.max_tokens=1000",
+        "optim.warmup_steps=2"]
+
+
+@dataclass
+class TinyRuns:
+    exit_code: int
+    root: Path                 # logs/ and runs/ of the runs, and sub/submission.json
+    logs: list[Path]
+    submission: dict
+
+
+@pytest.fixture(scope="session")
+def tiny_seed_runs(demo_dir, tmp_path_factory) -> TinyRuns:
+    """Two real seeds of the tiny config run through scripts.reproduce (about 25 s on 2 cores)."""
+    from scripts import reproduce
+    root = tmp_path_factory.mktemp("seeds")
+    code = reproduce.main(["--config", str(REPO / "configs/demo.toml"), "--seeds", ",".join(map(str, TINY_SEEDS)),
+                           "--name", "tiny run", "--github-id", "tester", "--out", str(root / "sub"),
+                           "--", *tiny_run_overrides(demo_dir, root)])
+    submission = root / "sub" / "submission.json"
+    return TinyRuns(code, root, [root / "logs" / f"tiny-run-s{s}.txt" for s in TINY_SEEDS],
+                    json.loads(submission.read_text()) if submission.exists() else {})

@@ -1,0 +1,316 @@
+"""Run one config over several seeds, summarize, test against a baseline, write submission.json.
+
+    python -m scripts.reproduce --config configs/record_8xh100.toml --seeds 1337,42,2025 \
+        --nproc-per-node 8 --baseline logs/base-s1.txt logs/base-s2.txt logs/base-s3.txt \
+        --name "mHC 11L" --github-id me --out records/draft -- train.time_budget_s=600
+
+Each seed runs `python train.py --config C train.seed=S train.run_id=<name>-s<S> [overrides]` (through
+torch.distributed.run with --nproc-per-node) and is read back from its last stdout line. The record
+rule of the challenge: the mean val_loss must beat the baseline's by at least 0.005 nats, shown by a
+one-sided Welch t-test at p < 0.01. A failed run, or one over the 16,000,000-byte cap, makes the
+exit status non-zero and no submission.json is written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python scripts/reproduce.py` as well as `python -m scripts.reproduce`
+    sys.path.insert(0, str(REPO))
+
+from quant.size import CAP_BYTES  # noqa: E402
+from scripts.runlog import LogFormatError, parse_lines, parse_log  # noqa: E402
+from training.config import ConfigError, load_config  # noqa: E402
+
+RECORD_MARGIN_NATS = 0.005   # a new record must beat the best by this much in val_loss ...
+RECORD_ALPHA = 0.01          # ... at this one-sided significance level
+SET_BY_SCRIPT = ("train.seed=", "train.run_id=")
+
+
+# ----- statistics -----
+
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (None for a single value)."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, None
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def _beta_continued_fraction(a: float, b: float, x: float) -> float:
+    """Continued fraction of the incomplete beta function, modified Lentz evaluation."""
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    result = d
+    for m in range(1, 1000):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            result *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            return result
+    raise ArithmeticError(f"incomplete beta did not converge for a={a}, b={b}, x={x}")
+
+
+def betainc_regularized(a: float, b: float, x: float) -> float:
+    """I_x(a, b), the regularized incomplete beta function, for a, b > 0 and 0 <= x <= 1."""
+    if not (a > 0 and b > 0 and 0.0 <= x <= 1.0):
+        raise ValueError(f"betainc_regularized needs a, b > 0 and 0 <= x <= 1, got a={a}, b={b}, x={x}")
+    if x in (0.0, 1.0):
+        return x
+    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):  # the fraction converges fast on this side; use symmetry otherwise
+        return math.exp(log_front) * _beta_continued_fraction(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _beta_continued_fraction(b, a, 1.0 - x) / b
+
+
+def student_t_sf(t: float, df: float) -> float:
+    """P(T > t) for Student's t with df (possibly fractional) degrees of freedom."""
+    if math.isinf(t):
+        return 0.0 if t > 0 else 1.0
+    tail = 0.5 * betainc_regularized(df / 2.0, 0.5, df / (df + t * t))
+    return tail if t >= 0 else 1.0 - tail
+
+
+def welch_one_sided(baseline: list[float], candidate: list[float], margin: float = 0.0) -> dict:
+    """Test H1: mean(baseline) - mean(candidate) > margin, variances not assumed equal.
+
+    scipy.stats is used when importable; the built-in Student-t tail otherwise (same numbers, tested)."""
+    if len(baseline) < 2 or len(candidate) < 2:
+        raise ValueError(f"Welch's t-test needs at least 2 runs per side, got {len(baseline)} baseline and "
+                         f"{len(candidate)} candidate (hint: run more seeds)")
+    mb, sb = mean_std(baseline)
+    mc, sc = mean_std(candidate)
+    vb, vc = sb * sb / len(baseline), sc * sc / len(candidate)
+    diff = mb - mc - margin
+    if vb + vc == 0.0:  # identical values on both sides: the sign alone decides
+        return {"t": math.copysign(math.inf, diff), "df": None, "p_value": 0.0 if diff > 0 else 1.0,
+                "method": "exact (no variance)"}
+    t = diff / math.sqrt(vb + vc)
+    df = (vb + vc) ** 2 / (vb ** 2 / (len(baseline) - 1) + vc ** 2 / (len(candidate) - 1))
+    try:
+        from scipy import stats
+    except ImportError:
+        return {"t": t, "df": df, "p_value": student_t_sf(t, df), "method": "builtin"}
+    result = stats.ttest_ind([v - margin for v in baseline], candidate, equal_var=False, alternative="greater")
+    return {"t": float(result.statistic), "df": df, "p_value": float(result.pvalue), "method": "scipy"}
+
+
+def significance(candidate_losses: list[float], baseline_losses: list[float], baseline_ids: list[str]) -> dict:
+    test = welch_one_sided(baseline_losses, candidate_losses, RECORD_MARGIN_NATS)
+    improvement = mean_std(baseline_losses)[0] - mean_std(candidate_losses)[0]
+    return {"baseline_runs": baseline_ids, "baseline_val_loss": mean_std(baseline_losses)[0],
+            "improvement_nats": improvement, "required_nats": RECORD_MARGIN_NATS, "alpha": RECORD_ALPHA,
+            "test": "Welch t, one-sided, H1: improvement > required_nats", **test,
+            "is_record": improvement >= RECORD_MARGIN_NATS and test["p_value"] < RECORD_ALPHA}
+
+
+# ----- submission.json -----
+
+@dataclass
+class SeedResult:
+    seed: int
+    final: dict
+    versions: dict = field(default_factory=dict)
+    world_size: int = 1
+
+
+def hardware(versions: dict, world_size: int) -> str:
+    gpu = versions.get("gpu")
+    return f"{world_size}x {gpu}" if gpu else f"cpu ({world_size} process{'es' if world_size > 1 else ''})"
+
+
+def build_submission(name: str, github_id: str, results: list[SeedResult], *, code_bytes: int | None = None,
+                     significance_block: dict | None = None) -> dict:
+    """The challenge's submission.json. code_bytes replaces the runs' own count when the shipped code
+    differs from what the runs measured (a record folder ships one generated train_gpt.py)."""
+    stacks = {json.dumps([hardware(r.versions, r.world_size), r.versions], sort_keys=True) for r in results}
+    if len(stacks) > 1:
+        raise ValueError("runs come from different hardware or software versions: "
+                         + "; ".join(f"seed {r.seed}: {hardware(r.versions, r.world_size)} {r.versions}" for r in results))
+    code = code_bytes if code_bytes is not None else max(r.final["code_bytes"] for r in results)
+    per_seed = {str(r.seed): {"run_id": r.final["run_id"], "val_bpb": r.final["val_bpb"],
+                              "val_loss": r.final["val_loss"], "pre_quant_val_bpb": r.final.get("pre_quant_val_bpb"),
+                              "steps": r.final["steps"], "train_time_s": r.final["train_time_s"],
+                              "artifact_bytes": r.final["artifact_bytes"],
+                              "bytes_total": r.final["artifact_bytes"] + code} for r in results}
+    bpb_mean, bpb_std = mean_std([r.final["val_bpb"] for r in results])
+    loss_mean, loss_std = mean_std([r.final["val_loss"] for r in results])
+    submission = {"name": name, "github_id": github_id, "val_bpb": bpb_mean, "val_loss": loss_mean,
+                  "val_bpb_std": bpb_std, "val_loss_std": loss_std,
+                  "bytes_total": max(s["bytes_total"] for s in per_seed.values()), "bytes_code": code,
+                  "seeds": [r.seed for r in results], "seed_results": per_seed,
+                  "hardware": hardware(results[0].versions, results[0].world_size),
+                  "versions": {k: results[0].versions[k] for k in ("torch", "triton", "python", "cuda")
+                               if k in results[0].versions}}
+    if significance_block is not None:
+        submission["significance"] = significance_block
+    return submission
+
+
+def write_json_atomic(path: Path, value: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(value, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def baseline_losses(paths: list[str]) -> tuple[list[float], list[str]]:
+    logs = [parse_log(p) for p in paths]
+    return [log.require_final()["val_loss"] for log in logs], [log.label for log in logs]
+
+
+# ----- running the seeds -----
+
+@dataclass
+class SeedRun:
+    seed: int
+    run_id: str
+    command: list[str]
+    returncode: int | None = None
+    final: dict | None = None
+    versions: dict = field(default_factory=dict)
+    world_size: int = 1
+
+    def problem(self) -> str | None:
+        """Why this run cannot count, or None."""
+        if self.final is not None and self.final.get("total_bytes", 0) > CAP_BYTES:
+            return (f"over the {CAP_BYTES:,}-byte cap: {self.final['total_bytes']:,} bytes "
+                    f"(artifact {self.final.get('artifact_bytes', 0):,} + code {self.final.get('code_bytes', 0):,})")
+        if self.returncode != 0:
+            return f"train.py exited with status {self.returncode}"
+        if self.final is None:
+            return "no final JSON line on stdout"
+        return None
+
+
+def train_command(config: str, seed: int, run_id: str, overrides: list[str], nproc: int | None) -> list[str]:
+    launcher = [sys.executable]
+    if nproc:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    return [*launcher, str(REPO / "train.py"), "--config", config, f"train.seed={seed}", f"train.run_id={run_id}",
+            *overrides]
+
+
+def run_seed(run: SeedRun) -> SeedRun:
+    """Stream the run's stdout (stderr passes straight through); the last line is the final JSON."""
+    lines = []
+    with subprocess.Popen(run.command, stdout=subprocess.PIPE, text=True, bufsize=1) as proc:
+        for line in proc.stdout:
+            print(f"[seed {run.seed}] {line}", end="", flush=True)
+            lines.append(line)
+    run.returncode = proc.returncode
+    log = parse_lines(lines[:-1], f"stdout of seed {run.seed}")
+    run.versions, run.world_size = log.versions, log.world_size or 1
+    try:
+        last = json.loads(lines[-1]) if lines else None
+        run.final = last if isinstance(last, dict) and "val_bpb" in last else None
+    except json.JSONDecodeError:
+        run.final = None
+    return run
+
+
+def print_summary(runs: list[SeedRun], sig: dict | None) -> None:
+    print(f"\n{'seed':>8} {'run_id':<28} {'val_loss':>10} {'val_bpb':>10} {'total bytes':>12}  status")
+    for r in runs:
+        f = r.final or {}
+        print(f"{r.seed:>8} {r.run_id:<28} {f.get('val_loss', float('nan')):>10.5f} "
+              f"{f.get('val_bpb', float('nan')):>10.5f} {f.get('total_bytes', 0):>12,}  {r.problem() or 'ok'}")
+    good = [r.final for r in runs if r.problem() is None]
+    for key in ("val_loss", "val_bpb") if good else ():
+        mean, std = mean_std([f[key] for f in good])
+        print(f"{key}: mean {mean:.5f}, std {'n/a' if std is None else f'{std:.5f}'} over {len(good)} seed(s)")
+    if sig is not None:
+        print(f"vs baseline {sig['baseline_val_loss']:.5f}: improvement {sig['improvement_nats']:+.5f} nats "
+              f"(need >= {RECORD_MARGIN_NATS}), t {sig['t']:.3f}, p {sig['p_value']:.4g} ({sig['method']}): "
+              + ("RECORD" if sig["is_record"] else "not a record"))
+
+
+def parse_seeds(text: str) -> list[int]:
+    if not re.fullmatch(r"\s*-?\d+(\s*,\s*-?\d+)*\s*", text):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1337,42,2025")
+    seeds = [int(s) for s in text.split(",")]
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: each seed once (a repeated seed is not an independent run)")
+    return seeds
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    argv, overrides = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                usage="%(prog)s --config C --seeds S1,S2,... [options] [-- section.key=value ...]")
+    p.add_argument("--config", required=True, help="train.py config (TOML)")
+    p.add_argument("--seeds", required=True, type=parse_seeds, help="comma-separated, e.g. 1337,42,2025")
+    p.add_argument("--baseline", nargs="+", default=[], metavar="LOG", help="final logs of the runs to beat")
+    p.add_argument("--out", help="folder for submission.json (default: runs/reproduce-<name>)")
+    p.add_argument("--name", help="submission name; run ids are <name>-s<seed> (default: the config's stem)")
+    p.add_argument("--github-id", default="", help="submission.json github_id")
+    p.add_argument("--nproc-per-node", type=int, help="launch each seed with torch.distributed.run on N processes")
+    p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
+    a = p.parse_args(argv)
+    a.overrides = overrides
+    a.name = a.name or Path(a.config).stem
+    for o in overrides:
+        if o.startswith(SET_BY_SCRIPT):
+            p.error(f"override {o!r}: train.seed and train.run_id are set per seed by this script")
+    if a.baseline and (len(a.baseline) < 2 or len(a.seeds) < 2):
+        p.error(f"--baseline with {len(a.baseline)} log(s) and {len(a.seeds)} seed(s): Welch's t-test needs at "
+                "least 2 runs on each side")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(sys.argv[1:] if argv is None else list(argv))
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", a.name).strip("-") or "run"
+    runs = [SeedRun(s, f"{slug}-s{s}", train_command(a.config, s, f"{slug}-s{s}", a.overrides, a.nproc_per_node))
+            for s in a.seeds]
+    if a.dry_run:
+        for r in runs:
+            print(shlex.join(r.command))
+        return 0
+    try:
+        cfg = load_config(a.config, a.overrides)  # a typo fails now, not after the first seed's hours
+        baseline = baseline_losses(a.baseline) if a.baseline else None
+    except (ConfigError, LogFormatError, FileNotFoundError) as e:
+        raise SystemExit(f"reproduce: {e}") from None
+    for r in runs:
+        run_seed(r)
+    good = [r for r in runs if r.problem() is None]
+    sig = None
+    if baseline is not None and len(good) >= 2:
+        sig = significance([r.final["val_loss"] for r in good], *baseline)
+    print_summary(runs, sig)
+    print("logs: " + " ".join(str(REPO / cfg.train.log_dir / f"{r.run_id}.txt") for r in runs))
+    if len(good) < len(runs):
+        print(f"{len(runs) - len(good)} of {len(runs)} seed(s) failed; no submission.json written", file=sys.stderr)
+        return 1
+    submission = build_submission(a.name, a.github_id, [SeedResult(r.seed, r.final, r.versions, r.world_size)
+                                                       for r in runs], significance_block=sig)
+    out = Path(a.out or REPO / cfg.train.out_dir / f"reproduce-{slug}") / "submission.json"
+    write_json_atomic(out, submission)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

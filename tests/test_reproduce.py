@@ -1,0 +1,187 @@
+"""scripts.reproduce: statistics (against closed forms and scipy), the record rule on synthetic logs,
+submission.json, the commands, and real tiny CPU runs (two seeds, one failing run)."""
+import json
+import math
+import random
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY_SEEDS, tiny_run_overrides
+from scripts import reproduce
+from scripts.reproduce import (SeedResult, SeedRun, betainc_regularized, build_submission, significance,
+                               student_t_sf, welch_one_sided)
+from scripts.runlog import parse_log
+
+
+# ----- statistics -----
+
+@pytest.mark.parametrize("t", [-30.0, -2.5, -0.3, 0.0, 0.7, 1.9, 12.0])
+def test_student_t_tail_matches_closed_forms(t):
+    assert student_t_sf(t, 1) == pytest.approx(0.5 - math.atan(t) / math.pi, rel=1e-12, abs=1e-15)  # Cauchy
+    assert student_t_sf(t, 2) == pytest.approx(0.5 - t / (2 * math.sqrt(2 + t * t)), rel=1e-12, abs=1e-15)
+
+
+def test_incomplete_beta_identities():
+    assert betainc_regularized(1.0, 1.0, 0.3) == pytest.approx(0.3, rel=1e-14)        # uniform CDF
+    assert betainc_regularized(2.5, 1.0, 0.4) == pytest.approx(0.4 ** 2.5, rel=1e-13)  # I_x(a, 1) = x^a
+    assert betainc_regularized(3.0, 4.5, 0.2) == pytest.approx(1 - betainc_regularized(4.5, 3.0, 0.8), rel=1e-13)
+    with pytest.raises(ValueError, match="0 <= x <= 1"):
+        betainc_regularized(1.0, 1.0, 1.5)
+
+
+def test_builtin_statistics_match_scipy(monkeypatch):
+    stats = pytest.importorskip("scipy.stats")
+    special = pytest.importorskip("scipy.special")
+    rng = random.Random(0)
+    for _ in range(300):
+        a, b, x = rng.uniform(0.05, 50), rng.uniform(0.05, 50), rng.random()
+        assert betainc_regularized(a, b, x) == pytest.approx(special.betainc(a, b, x), rel=1e-10, abs=1e-13)
+    for t in (-8.0, -1.0, 0.2, 1.5, 4.0, 25.0):
+        for df in (0.8, 2.7, 4.0, 30.0, 1000.0):
+            assert student_t_sf(t, df) == pytest.approx(stats.t.sf(t, df), rel=1e-9, abs=1e-300)
+    for _ in range(20):
+        base = [rng.gauss(2.0, 0.01) for _ in range(rng.randint(2, 6))]
+        cand = [rng.gauss(1.99, 0.02) for _ in range(rng.randint(2, 6))]
+        with_scipy = welch_one_sided(base, cand, 0.005)
+        monkeypatch.setitem(sys.modules, "scipy", None)  # import fails: the built-in path
+        builtin = welch_one_sided(base, cand, 0.005)
+        monkeypatch.delitem(sys.modules, "scipy")
+        assert (with_scipy["method"], builtin["method"]) == ("scipy", "builtin")
+        assert builtin["t"] == pytest.approx(with_scipy["t"], rel=1e-12)
+        assert builtin["p_value"] == pytest.approx(with_scipy["p_value"], rel=1e-8, abs=1e-15)
+
+
+def test_welch_edge_cases():
+    with pytest.raises(ValueError, match="at least 2 runs per side"):
+        welch_one_sided([1.0], [0.9, 0.8])
+    assert welch_one_sided([2.0, 2.0], [1.0, 1.0], 0.005)["p_value"] == 0.0   # no variance, clearly better
+    assert welch_one_sided([2.0, 2.0], [1.999, 1.999], 0.005)["p_value"] == 1.0  # better, but not by the margin
+
+
+def write_final_log(path: Path, run_id: str, val_loss: float) -> Path:
+    final = {"run_id": run_id, "val_loss": val_loss, "val_bpb": val_loss / 1.7, "steps": 10}
+    path.write_text(f"run {run_id}  commit abc  world_size 8  device cuda:0\nfinal {json.dumps(final)}\n")
+    return path
+
+
+@pytest.mark.parametrize("candidate, is_record", [
+    ([1.900, 1.901, 1.899], True),     # 0.02 nats better, tight: a record
+    ([1.916, 1.9161, 1.9159], False),  # 0.004 nats better, however tight: under the 0.005 margin
+    ([1.880, 1.950, 1.900], False),    # better on average, far too noisy for p < 0.01
+])
+def test_record_rule_on_synthetic_baseline_logs(tmp_path, candidate, is_record):
+    logs = [write_final_log(tmp_path / f"b{i}.txt", f"base-{i}", v) for i, v in enumerate([1.920, 1.9201, 1.9199])]
+    losses, ids = reproduce.baseline_losses([str(p) for p in logs])
+    sig = significance(candidate, losses, ids)
+    assert sig["baseline_runs"] == ["base-0", "base-1", "base-2"]
+    assert sig["improvement_nats"] == pytest.approx(1.920 - sum(candidate) / 3, abs=1e-12)
+    assert sig["is_record"] is is_record
+    assert (sig["p_value"] < 0.01) is is_record
+
+
+# ----- submission.json -----
+
+def final(seed: int, val_loss: float, artifact: int, code: int = 60_000) -> dict:
+    return {"run_id": f"r-s{seed}", "val_loss": val_loss, "val_bpb": val_loss / 1.7, "pre_quant_val_bpb": 1.0,
+            "steps": 100, "train_time_s": 599.5, "artifact_bytes": artifact, "code_bytes": code,
+            "total_bytes": artifact + code}
+
+
+def test_submission_fields():
+    gpu = {"python": "3.11.7", "torch": "2.11.0", "triton": "3.6.0", "cuda": "12.8", "gpu": "NVIDIA H100 80GB HBM3"}
+    results = [SeedResult(1, final(1, 1.90, 15_000_000), gpu, 8), SeedResult(2, final(2, 1.92, 15_100_000), gpu, 8)]
+    sub = build_submission("mhc", "me", results, significance_block={"is_record": False})
+    assert sub["name"] == "mhc" and sub["github_id"] == "me" and sub["seeds"] == [1, 2]
+    assert sub["val_loss"] == pytest.approx(1.91) and sub["val_bpb"] == pytest.approx(1.91 / 1.7)
+    assert sub["val_loss_std"] == pytest.approx(math.sqrt(2 * 0.01 ** 2))
+    assert sub["bytes_total"] == 15_160_000 and sub["bytes_code"] == 60_000
+    assert sub["seed_results"]["2"]["bytes_total"] == 15_160_000 and sub["seed_results"]["1"]["run_id"] == "r-s1"
+    assert sub["hardware"] == "8x NVIDIA H100 80GB HBM3"
+    assert sub["versions"] == {"torch": "2.11.0", "triton": "3.6.0", "python": "3.11.7", "cuda": "12.8"}
+    assert sub["significance"] == {"is_record": False}
+    shipped = build_submission("mhc", "me", results, code_bytes=250_000)  # a record's generated script
+    assert shipped["bytes_code"] == 250_000 and shipped["bytes_total"] == 15_350_000
+    with pytest.raises(ValueError, match="different hardware or software"):
+        build_submission("mhc", "me", [results[0], SeedResult(3, final(3, 1.9, 1), {**gpu, "torch": "2.12"}, 8)])
+
+
+def test_seed_run_problems():
+    ok = SeedRun(1, "r", [], returncode=0, final=final(1, 1.9, 15_000_000))
+    assert ok.problem() is None
+    # quant.cap_bytes can be raised in a config; the challenge's cap cannot.
+    assert "over the 16,000,000-byte cap" in SeedRun(1, "r", [], 0, final(1, 1.9, 15_950_000, code=60_000)).problem()
+    assert SeedRun(1, "r", [], returncode=1).problem() == "train.py exited with status 1"
+    assert SeedRun(1, "r", [], returncode=0).problem() == "no final JSON line on stdout"
+
+
+# ----- commands -----
+
+def test_dry_run_prints_one_command_per_seed(capsys):
+    assert reproduce.main(["--config", "configs/demo.toml", "--seeds", "1337,42", "--name", "my run", "--dry-run",
+                           "--", "train.max_steps=5"]) == 0
+    commands = [shlex.split(line) for line in capsys.readouterr().out.splitlines()]
+    assert commands == [[sys.executable, str(REPO / "train.py"), "--config", "configs/demo.toml", f"train.seed={s}",
+                         f"train.run_id=my-run-s{s}", "train.max_steps=5"] for s in (1337, 42)]
+    assert reproduce.main(["--config", "c.toml", "--seeds", "3", "--nproc-per-node", "8", "--dry-run"]) == 0
+    command = shlex.split(capsys.readouterr().out)
+    assert command[:5] == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8"]
+    assert command[5:] == [str(REPO / "train.py"), "--config", "c.toml", "train.seed=3", "train.run_id=c-s3"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seeds", "1,x"], "expected comma-separated integers"),
+    (["--seeds", "1,1"], "each seed once"),
+    (["--seeds", "1,2", "--", "train.seed=5"], "set per seed by this script"),
+    (["--seeds", "1", "--baseline", "a.txt", "b.txt"], "at least 2 runs on each side"),
+])
+def test_bad_arguments_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        reproduce.main(["--config", "configs/demo.toml", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_config_typo_fails_before_any_run(tmp_path):
+    with pytest.raises(SystemExit, match="unknown key 'train.max_stepz'"):
+        reproduce.main(["--config", str(REPO / "configs/demo.toml"), "--seeds", "1,2", "--out", str(tmp_path),
+                        "--", "train.max_stepz=3"])
+    assert not list(tmp_path.iterdir())
+
+
+# ----- real tiny runs -----
+
+def test_two_tiny_seeds_give_a_submission(tiny_seed_runs):
+    assert tiny_seed_runs.exit_code == 0
+    sub = tiny_seed_runs.submission
+    finals = [parse_log(p).require_final() for p in tiny_seed_runs.logs]
+    assert sub["seeds"] == list(TINY_SEEDS) and sub["name"] == "tiny run" and sub["github_id"] == "tester"
+    assert [sub["seed_results"][str(s)]["val_bpb"] for s in TINY_SEEDS] == [f["val_bpb"] for f in finals]
+    assert finals[0]["val_bpb"] != finals[1]["val_bpb"], "different seeds must give different runs"
+    assert sub["val_bpb"] == pytest.approx(sum(f["val_bpb"] for f in finals) / 2, rel=1e-12)
+    assert sub["bytes_total"] == max(f["total_bytes"] for f in finals) and sub["bytes_code"] == finals[0]["code_bytes"]
+    assert sub["hardware"].startswith("cpu") and sub["versions"]["torch"] == parse_log(tiny_seed_runs.logs[0]).versions["torch"]
+    assert "significance" not in sub
+
+
+def test_a_failing_seed_is_reported_and_exits_nonzero(demo_dir, tmp_path, capsys):
+    overrides = [*tiny_run_overrides(demo_dir, tmp_path), f"data.train_files={tmp_path}/missing_*.bin"]
+    code = reproduce.main(["--config", str(REPO / "configs/demo.toml"), "--seeds", "5", "--out", str(tmp_path / "sub"),
+                           "--", *overrides])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "train.py exited with status 1" in captured.out and "no submission.json written" in captured.err
+    assert not (tmp_path / "sub").exists()
+
+
+def test_baseline_comparison_from_real_logs(tiny_seed_runs, tmp_path, capsys):
+    """The candidate side uses the real runs' numbers; the baseline is 0.1 nats worse: a record."""
+    losses = [parse_log(p).require_final()["val_loss"] for p in tiny_seed_runs.logs]
+    base = [write_final_log(tmp_path / f"b{i}.txt", f"b{i}", v + 0.1) for i, v in enumerate(losses)]
+    sig = significance(losses, *reproduce.baseline_losses([str(p) for p in base]))
+    assert sig["improvement_nats"] == pytest.approx(0.1, abs=1e-9) and sig["is_record"]
+    runs = [SeedRun(s, f"tiny-run-s{s}", [], 0, parse_log(p).final) for s, p in zip(TINY_SEEDS, tiny_seed_runs.logs)]
+    reproduce.print_summary(runs, sig)
+    out = capsys.readouterr().out
+    assert "RECORD" in out and "val_bpb: mean" in out and "tiny-run-s7" in out
