@@ -138,17 +138,22 @@ def main(argv=None) -> dict:
         ema.copy_to(model)  # the EMA weights are what ships
     final = {"run_id": run_id, "steps": result.steps, "train_time_s": round(result.train_time_s, 2),
              "tokens_seen": result.tokens, "params": n_params, "world_size": dist.world_size}
-    artifact = REPO / cfg.train.out_dir / f"{run_id}.mhcg"
-    export = export_model(cfg, model, train_files=list_shards(cfg.data.train_files), rank=dist.rank,
-                          world_size=dist.world_size, log=log, artifact_path=artifact,
-                          tokenizer_sha256=file_sha256(cfg.data.tokenizer), device=device)
-    final.update(export)
     if cfg.eval.pre_quant:
         t0 = time.perf_counter()
         pre = evaluate()
         log.record("eval", stage="pre_quant", seconds=round(time.perf_counter() - t0, 1), **pre)
         final.update(pre_quant_val_loss=pre["val_loss"], pre_quant_val_bpb=pre["val_bpb"])
 
+    artifact = REPO / cfg.train.out_dir / f"{run_id}.mhcg"
+    export = export_model(cfg, model, train_files=list_shards(cfg.data.train_files), rank=dist.rank,
+                          world_size=dist.world_size, log=log, artifact_path=artifact,
+                          tokenizer_sha256=file_sha256(cfg.data.tokenizer), device=device)
+    final.update(export)
+    if "export_error" in export:
+        final.update(fits_cap=False)
+        log.final(final)
+        destroy()
+        raise SystemExit(f"no artifact: {export['export_error']}")
     t0 = time.perf_counter()
     scored = evaluate_artifact(artifact, val_tokens, lut, cfg.eval, device=device, rank=dist.rank,
                                world_size=dist.world_size, tokenizer_sha256=file_sha256(cfg.data.tokenizer))

@@ -103,3 +103,13 @@ def test_two_ranks_reproduce_one_process_at_the_same_global_batch(tmp_path):
     # missing or wrong reduction would show up at the scale of lr (~0.03), not 1e-4.
     for a, b in zip(one["params"], two["params"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_artifact_over_the_cap_is_never_reported_as_success(demo_dir, tmp_path, capsys):
+    import train
+    with pytest.raises(SystemExit, match="no artifact: even all-int5"):
+        train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
+                    "train.max_steps=2", "quant.cap_bytes=90000", "quant.margin_bytes=0"])
+    final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert final["fits_cap"] is False and "over the budget" in final["export_error"]
+    assert "val_bpb" not in final and final["pre_quant_val_bpb"] > 0

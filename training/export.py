@@ -16,6 +16,7 @@ import torch.distributed
 from data.loader import TokenLoader
 from model.layers import MLP
 from quant.calibrate import generate_calibration_tokens
+from quant.allocate import BudgetError
 from quant.export import export_artifact
 from quant.size import code_bytes
 from training.config import Config
@@ -69,18 +70,25 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
         meta = {"model_config": dataclasses.asdict(cfg.model), "tokenizer_sha256": tokenizer_sha256,
                 "run_id": cfg.train.run_id, "seq_len": cfg.data.seq_len}
         t0 = time.perf_counter()
-        with reference_mlps(model):
-            batches = calibration_batches(cfg, model, train_files, device)
-            t_calib_data = time.perf_counter() - t0
-            report = export_artifact(model, batches, str(artifact_path), meta, budget, method=cfg.quant.method,
-                                     log=log, table_patterns=table_patterns(model))
+        try:
+            with reference_mlps(model):
+                batches = calibration_batches(cfg, model, train_files, device)
+                t_calib_data = time.perf_counter() - t0
+                report = export_artifact(model, batches, str(artifact_path), meta, budget,
+                                         method=cfg.quant.method, log=log, table_patterns=table_patterns(model))
+        except BudgetError as e:  # reported in the final JSON; the run then exits non-zero
+            log(f"export failed: {e}")
+            report = {"export_error": str(e), "code_bytes": code}
         seconds = time.perf_counter() - t0
         log(f"phase quantize+export {seconds:.1f} s (calibration data {t_calib_data:.1f} s; "
             f"reserve {cfg.quant.calib_reserve_s} s)")
+    if rank == 0 and "export_error" not in report:
         report = {"artifact_bytes": artifact_path.stat().st_size, "code_bytes": code,
                   "export_seconds": round(seconds, 2), "quant_method": cfg.quant.method,
                   "calib_source": cfg.quant.calib_source,
                   **{k: v for k, v in report.items() if isinstance(v, (int, float, str))}}
-    if world_size > 1:
-        torch.distributed.barrier()
+    if world_size > 1:  # every rank learns the outcome (and waits for the artifact file)
+        holder = [report]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        report = holder[0]
     return report
