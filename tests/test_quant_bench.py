@@ -1,0 +1,67 @@
+"""scripts/bench_compress.py: every flag, on tiny inputs."""
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_compress.py"
+spec = importlib.util.spec_from_file_location("bench_compress", SCRIPT)
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+TINY = ["--layers", "1", "--d-model", "32", "--mlp-mult", "2", "--vocab", "48", "--heads", "4", "--kv-heads", "2"]
+
+
+def test_synthetic_all_compressors_and_layouts(capsys):
+    rows = bench.main(["--synthetic", *TINY, "--seed", "3", "--widths", "5,6", "--layouts", "byte,dense,bitplane",
+                       "--compressors", "brotli,lzma,zstd,brotli-chunks", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "compressed" in out and "brotli-chunks" in out and "bitplane" in out
+    assert len(rows) == 2 * 3 * 4
+    # d=32, hidden 64, kv_dim 16: embed 48*32, qkv 64*32, proj 32*32, up 64*32, down 32*64, norms 3*32, q_gain 4.
+    assert "8,804 parameters" in out
+    for r in rows:
+        assert 0 < r["bytes"] and r["seconds"] >= 0
+        if r["layout"] == "byte":  # a byte per code, fp16 scales for 240 rows, fp16 for 100 other values
+            assert r["raw"] == 8704 + 2 * 240 + 2 * 100
+    byte5 = {r["compressor"]: r for r in rows if r["width"] == 5 and r["layout"] == "byte"}
+    byte6 = {r["compressor"]: r for r in rows if r["width"] == 6 and r["layout"] == "byte"}
+    assert byte6["brotli"]["bytes"] > byte5["brotli"]["bytes"]  # one more bit per code costs bytes
+    dense5 = next(r for r in rows if r["width"] == 5 and r["layout"] == "dense" and r["compressor"] == "brotli")
+    assert dense5["raw"] < byte5["brotli"]["raw"]
+
+
+def test_seed_and_table_patterns_change_the_payload():
+    a = bench.main(["--synthetic", *TINY, "--seed", "1", "--widths", "5", "--layouts", "byte", "--compressors", "zstd"])
+    b = bench.main(["--synthetic", *TINY, "--seed", "2", "--widths", "5", "--layouts", "byte", "--compressors", "zstd"])
+    c = bench.main(["--synthetic", *TINY, "--seed", "1", "--widths", "5", "--layouts", "byte", "--compressors", "zstd",
+                    "--table-patterns", ""])
+    assert a[0]["bytes"] != b[0]["bytes"]
+    assert a[0]["matrix_codes"] - c[0]["matrix_codes"] == -48 * 32  # the embedding became an int5 matrix
+
+
+def test_artifact_state_npz(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "w.npz"
+    np.savez(path, **{"tok_emb.weight": rng.standard_normal((40, 16), dtype=np.float32),
+                      "blocks.0.w": rng.standard_normal((24, 16)).astype(np.float64), "ln": np.ones(16, np.float32)})
+    rows = bench.main(["--artifact-state", str(path), "--widths", "6", "--layouts", "bitplane",
+                       "--compressors", "brotli", "--table-patterns", "tok_*"])
+    assert rows[0]["matrix_codes"] == 24 * 16
+    assert "w.npz, 3 tensors, 1,040 parameters" in capsys.readouterr().out
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(SystemExit):
+        bench.main(["--synthetic", "--widths", "4"])
+    with pytest.raises(SystemExit):
+        bench.main(["--synthetic", "--compressors", "gzip"])
+    with pytest.raises(SystemExit):
+        bench.main([])  # a source is required
+    bad = tmp_path / "int.npz"
+    np.savez(bad, ids=np.arange(4))
+    with pytest.raises(SystemExit, match="non-float"):
+        bench.main(["--artifact-state", str(bad)])
+    with pytest.raises(SystemExit, match="cannot read"):
+        bench.main(["--artifact-state", str(tmp_path / "missing.npz")])
