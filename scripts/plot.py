@@ -10,9 +10,8 @@ at the run's last step, so a run without periodic evaluations still shows its fi
 from __future__ import annotations
 
 import argparse
-import os
+import io
 import sys
-import tempfile
 from pathlib import Path
 
 import matplotlib
@@ -25,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python scripts/plot.py` as well as `python -m scripts.plot`
     sys.path.insert(0, str(REPO))
 
-from scripts.runlog import LogFormatError, RunLogData, parse_log  # noqa: E402
+from scripts.runlog import LogFormatError, RunLogData, parse_log, write_atomic  # noqa: E402
 
 AXES = {"step": ("step", "step"), "time": ("train_time_s", "training time (s)")}
 
@@ -99,14 +98,9 @@ def build_figures(logs: list[RunLogData]) -> dict[str, Figure]:
 
 
 def save_png_atomic(fig: Figure, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=120)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=120)
+    write_atomic(path, buffer.getvalue())
 
 
 def plot_logs(paths: list[str | Path], out: str | Path) -> list[Path]:

@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import shlex
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +27,7 @@ if str(REPO) not in sys.path:  # `python scripts/reproduce.py` as well as `pytho
     sys.path.insert(0, str(REPO))
 
 from quant.size import CAP_BYTES  # noqa: E402
-from scripts.runlog import LogFormatError, parse_lines, parse_log  # noqa: E402
+from scripts.runlog import LogFormatError, parse_lines, parse_log, write_atomic  # noqa: E402
 from training.config import ConfigError, load_config  # noqa: E402
 
 RECORD_MARGIN_NATS = 0.005   # a new record must beat the best by this much in val_loss ...
@@ -164,15 +162,7 @@ def build_submission(name: str, github_id: str, results: list[SeedResult], *, co
 
 def write_json_atomic(path: Path, value: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(value, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomic(path, (json.dumps(value, indent=2) + "\n").encode())
 
 
 def baseline_losses(paths: list[str]) -> tuple[list[float], list[str]]:

@@ -1,4 +1,5 @@
-"""Read a train.py run log (logs/<run_id>.txt, or the run's captured stdout) back into data.
+"""Read a train.py run log (logs/<run_id>.txt, or the run's captured stdout) back into data; the
+atomic file writer of the scripts that turn logs into plots and records.
 
 A log is plain text; the machine-readable lines are `<kind> {json}` written by
 training.run_log.RunLog.record / .final, plus the header lines `run …`, `versions {json}` and
@@ -10,7 +11,9 @@ step on replace the ones the interrupted process had written, leaving one trajec
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +42,7 @@ class RunLogData:
 
     @property
     def label(self) -> str:
-        return self.run_id or Path(self.source).stem
+        return self.run_id or (self.final or {}).get("run_id") or Path(self.source).stem
 
     def require_steps(self) -> list[dict]:
         if not self.steps:
@@ -123,3 +126,20 @@ def parse_log(path: str | Path) -> RunLogData:
         raise FileNotFoundError(f"run log {path} does not exist (hint: train.py writes logs/<run_id>.txt)")
     with open(path, encoding="utf-8") as f:
         return parse_lines(f, str(path))
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Temp file in the same folder, then os.replace: a reader never sees a half-written file. The
+    mode is what a plain open() would give (mkstemp's is 0600)."""
+    path = Path(path)
+    umask = os.umask(0)
+    os.umask(umask)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -119,3 +119,14 @@ def test_log_without_steps_is_an_error_naming_the_file(tmp_path, capsys):
     assert not out.exists(), "nothing is written when any log is bad"
     with pytest.raises(SystemExit, match="missing.txt does not exist"):
         plot.main([str(tmp_path / "missing.txt"), "--out", str(out)])
+
+
+def test_plots_of_real_train_py_logs(tiny_seed_runs, tmp_path, capsys):
+    written = plot.main([*map(str, tiny_seed_runs.logs), "--out", str(tmp_path)])
+    assert len(written) == 4
+    logs = [parse_log(p) for p in tiny_seed_runs.logs]
+    figs = plot.build_figures(logs)
+    bpb = line_data(figs["bpb_vs_step"])
+    for log in logs:  # periodic evals as a curve, the artifact's score as the final marker
+        assert bpb[log.run_id] == ([e["step"] for e in log.evals], [e["val_bpb"] for e in log.evals])
+        assert bpb[f"{log.run_id} (artifact)"] == ([log.final["steps"]], [log.final["val_bpb"]])
