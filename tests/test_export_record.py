@@ -1,0 +1,186 @@
+"""scripts.export_record: module discovery, the generated train_gpt.py, config.toml, the record folder,
+and the record reproducing the repository's run from an empty folder (CPU, bit-identical)."""
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY_SEEDS
+from scripts import export_record
+from scripts.export_record import (collect_modules, config_toml, generate_script, imported_names, record_config,
+                                   source_literal)
+from scripts.runlog import parse_lines, parse_log
+from training.config import load_config, to_dict
+
+
+def test_collect_modules_follows_imports_including_lazy_ones():
+    modules = collect_modules(REPO)
+    for name in ("train", "training.trainer", "training.checkpoint", "scripts.evaluate", "model.gpt", "quant.container",
+                 "data.loader", "kernels.mlp"):  # kernels.mlp is imported inside a function of model.layers
+        assert name in modules, name
+    for name in modules:  # every parent package ships its __init__.py
+        parts = name.split(".")
+        assert all(".".join(parts[:i]) in modules and modules[".".join(parts[:i])][1] for i in range(1, len(parts)))
+    assert not any(name.startswith(("tests", "scripts.plot", "scripts.export_record")) for name in modules)
+    assert modules["train"] == (REPO / "train.py", False) and modules["model"] == (REPO / "model/__init__.py", True)
+
+
+def test_relative_imports_are_refused_with_a_hint():
+    assert imported_names("from a.b import c\nimport d.e\n", "x.py") == {"a.b", "a.b.c", "d.e"}
+    with pytest.raises(ValueError, match="x.py: relative import 'from .sib import …'"):
+        imported_names("def f():\n    from .sib import g\n", "x.py")
+
+
+@pytest.mark.parametrize("source", ["plain = 1\n", "s = '''quoted'''\n", 'p = r"C:\\dir\\"\nq = "\\n"\n',
+                                    "crlf = 1\r\n", "ends with a quote'", "unicode = 'é ▁ 😀'\n", "nul = '\x00'\n"])
+def test_source_literal_round_trips(source):
+    assert ast.literal_eval(source_literal(source)) == source
+
+
+def test_generated_script_embeds_sources_verbatim():
+    modules = collect_modules(REPO)
+    script = generate_script(modules, "title", "abc1234")
+    compile(script, "train_gpt.py", "exec")
+    namespace: dict = {"__name__": "not_main", "__file__": "/nowhere/train_gpt.py"}
+    exec(compile(script, "train_gpt.py", "exec"), namespace)  # defines, does not run
+    assert set(namespace["MODULES"]) == set(modules)
+    assert namespace["MODULES"]["training.trainer"] == (False, (REPO / "training/trainer.py").read_text())
+    assert namespace["MODULES"]["quant"][0] is True
+
+
+def test_config_toml_reads_back_through_load_config(tiny_seed_runs, tmp_path):
+    logs = [parse_log(p) for p in tiny_seed_runs.logs]
+    config = record_config(logs)
+    assert config["train"] | {"seed": 0} == logs[0].config["train"] | {"seed": 0, "run_id": "", "resume": "",
+                                                                          "log_dir": "logs", "out_dir": "runs"}
+    path = tmp_path / "config.toml"
+    path.write_text(config_toml(config, "a comment\nover two lines"))
+    assert to_dict(load_config(path)) == config
+    odd = {"s": {"xs": [1, 2], "f": 1e-05, "t": "a\"b\\c\u00e9\n", "inf": float("-inf"), "on": True}}
+    assert tomllib.loads(config_toml(odd, "c")) == odd
+    with pytest.raises(ValueError, match="s.d: a dict cannot be written"):
+        config_toml({"s": {"d": {"nested": 1}}}, "c")
+
+
+def test_runs_of_one_record_must_share_their_config():
+    def log(name, seed, layers):
+        config = {"model": {"n_layers": layers}, "train": {"seed": seed, "run_id": name}}
+        return parse_lines([f"config {json.dumps(config)}"], name)
+    assert record_config([log("a", 1, 4), log("b", 2, 4)])["model"] == {"n_layers": 4}
+    with pytest.raises(ValueError, match="b: model.n_layers = 5, but a has 4"):
+        record_config([log("a", 1, 4), log("b", 2, 5)])
+
+
+def export(tiny_seed_runs, out: Path, *extra: str) -> Path:
+    return export_record.main(["--runs", *map(str, tiny_seed_runs.logs), "--out", str(out), "--name", "tiny mhc",
+                               "--github-id", "tester", *extra])
+
+
+def test_record_folder_contents(tiny_seed_runs, tmp_path, capsys):
+    parent = tmp_path / "records"
+    parent.mkdir()
+    (parent / "other").write_text("untouched")
+    out = export(tiny_seed_runs, parent / "2026-11-22_tiny")
+    assert sorted(p.name for p in parent.iterdir()) == ["2026-11-22_tiny", "other"], "nothing written beside --out"
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted(["README.md", "submission.json", "requirements.txt", "config.toml", "train_gpt.py",
+                            *(f"train_seed{s}.log" for s in TINY_SEEDS)])
+    for seed, log in zip(TINY_SEEDS, tiny_seed_runs.logs):
+        assert (out / f"train_seed{seed}.log").read_bytes() == log.read_bytes()
+    sub = json.loads((out / "submission.json").read_text())
+    script_bytes = (out / "train_gpt.py").stat().st_size
+    finals = [parse_log(p).require_final() for p in tiny_seed_runs.logs]
+    assert sub["bytes_code"] == script_bytes, "the record counts the code it ships: train_gpt.py"
+    assert sub["bytes_total"] == max(f["artifact_bytes"] for f in finals) + script_bytes
+    assert (sub["name"], sub["github_id"], sub["seeds"]) == ("tiny mhc", "tester", list(TINY_SEEDS))
+    assert sub["val_bpb"] == tiny_seed_runs.submission["val_bpb"]
+    requirements = (out / "requirements.txt").read_text()
+    assert "torch>=2.11" in requirements and "sentencepiece" in requirements and "pytest" not in requirements
+    readme = (out / "README.md").read_text()
+    assert all(f"| {s} | tiny-run-s{s} |" in readme for s in TINY_SEEDS) and "python train_gpt.py" in readme
+    assert oct((out / "README.md").stat().st_mode & 0o777) != oct(0o600), "readable like any other file"
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_existing_record_needs_force(tiny_seed_runs, tmp_path):
+    out = export(tiny_seed_runs, tmp_path / "rec")
+    (out / "train_seed99.log").write_text("from an earlier export")
+    before = (out / "submission.json").read_text()
+    with pytest.raises(SystemExit, match="exists and is not empty .*--force"):
+        export(tiny_seed_runs, out)
+    assert (out / "submission.json").read_text() == before
+    export(tiny_seed_runs, out, "--force", "--github-id", "other")
+    assert json.loads((out / "submission.json").read_text())["github_id"] == "other"
+    assert not (out / "train_seed99.log").exists(), "a replaced record keeps no stale seed log"
+
+
+def test_baseline_adds_the_significance_block(tiny_seed_runs, tmp_path):
+    base = []
+    for i, path in enumerate(tiny_seed_runs.logs):
+        final = parse_log(path).require_final()
+        base.append(tmp_path / f"base{i}.txt")
+        base[-1].write_text(f"final {json.dumps({**final, 'val_loss': final['val_loss'] + 0.2, 'run_id': f'b{i}'})}\n")
+    out = export(tiny_seed_runs, tmp_path / "rec", "--baseline", *map(str, base))
+    sig = json.loads((out / "submission.json").read_text())["significance"]
+    assert sig["baseline_runs"] == ["b0", "b1"] and sig["improvement_nats"] == pytest.approx(0.2)
+    assert "Welch p" in (out / "README.md").read_text()
+
+
+def test_bad_runs_are_refused_and_nothing_is_written(tiny_seed_runs, tmp_path):
+    unfinished = tmp_path / "unfinished.txt"
+    unfinished.write_text("\n".join(tiny_seed_runs.logs[0].read_text().splitlines()[:-1]) + "\n")
+    over = tmp_path / "over.txt"
+    final = parse_log(tiny_seed_runs.logs[1]).require_final()
+    over.write_text(tiny_seed_runs.logs[1].read_text() + f"final {json.dumps({**final, 'total_bytes': 16_000_001})}\n")
+    cases = [([unfinished], "unfinished.txt: no `final"), ([over], "over the 16,000,000-byte cap"),
+             ([tiny_seed_runs.logs[0]] * 2, "runs share a seed")]
+    for runs, message in cases:
+        with pytest.raises(SystemExit, match=message):
+            export_record.main(["--runs", *map(str, runs), "--out", str(tmp_path / "rec")])
+        assert not (tmp_path / "rec").exists()
+
+
+def test_record_reproduces_the_repository_run_from_an_empty_folder(tiny_seed_runs, demo_dir, tmp_path):
+    """The generated script alone (no repository on the path) retrains seed 8 to the same numbers."""
+    record = shutil.copytree(export(tiny_seed_runs, tmp_path / "made"), tmp_path / "empty" / "record")
+    shutil.copytree(demo_dir, record / "corpus")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = subprocess.run([sys.executable, "-c", "import train"], cwd=record, env=env, capture_output=True)
+    assert probe.returncode != 0, "the repository must not be importable from the record folder"
+    seed, logged = TINY_SEEDS[1], parse_log(tiny_seed_runs.logs[1])
+    result = subprocess.run([sys.executable, "train_gpt.py", f"train.seed={seed}", "train.run_id=again",
+                             "data.train_files=corpus/fineweb_train_*.bin", "data.val_files=corpus/fineweb_val_*.bin",
+                             "data.tokenizer=corpus/tokenizer.model"],
+                            cwd=record, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = json.loads(result.stdout.strip().splitlines()[-1])
+    again = parse_log(record / "logs" / "again.txt")
+    # CPU training is deterministic: the same code, config and seed give the same numbers bit for bit.
+    for key in ("val_bpb", "val_loss", "pre_quant_val_bpb", "pre_quant_val_loss", "steps", "tokens", "bytes"):
+        assert final[key] == logged.final[key], key
+    assert [s["loss"] for s in again.steps] == [s["loss"] for s in logged.steps]
+    assert [e["val_bpb"] for e in again.evals] == [e["val_bpb"] for e in logged.evals]
+    assert final["code_bytes"] == (record / "train_gpt.py").stat().st_size
+    assert (record / "runs" / "again.mhcg").stat().st_size == final["artifact_bytes"]
+
+
+def test_runs_from_another_commit_are_flagged(tiny_seed_runs, tmp_path, capsys):
+    logs = []
+    for i, path in enumerate(tiny_seed_runs.logs):
+        text = path.read_text()
+        header = text.splitlines()[0]
+        assert header.startswith("run ") and " commit " in header
+        words = header.split()
+        words[words.index("commit") + 1] = "0000000"
+        logs.append(tmp_path / f"old{i}.txt")
+        logs[-1].write_text(text.replace(header, " ".join(words), 1))
+    export_record.main(["--runs", *map(str, logs), "--out", str(tmp_path / "rec")])
+    err = capsys.readouterr().err
+    assert all(f"old{i}.txt ran at commit 0000000" in err for i in range(2))
+    assert "commit(s) 0000000" in (tmp_path / "rec" / "README.md").read_text()
