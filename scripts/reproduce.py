@@ -184,13 +184,16 @@ class SeedRun:
 
     def problem(self) -> str | None:
         """Why this run cannot count, or None."""
-        if self.final is not None and self.final.get("total_bytes", 0) > CAP_BYTES:
-            return (f"over the {CAP_BYTES:,}-byte cap: {self.final['total_bytes']:,} bytes "
-                    f"(artifact {self.final.get('artifact_bytes', 0):,} + code {self.final.get('code_bytes', 0):,})")
+        f = self.final
+        if f is not None and "export_error" in f:  # train.py found no artifact that fits
+            return f"no artifact: {f['export_error']}"
+        if f is not None and f.get("total_bytes", 0) > CAP_BYTES:
+            return (f"over the {CAP_BYTES:,}-byte cap: {f['total_bytes']:,} bytes "
+                    f"(artifact {f.get('artifact_bytes', 0):,} + code {f.get('code_bytes', 0):,})")
         if self.returncode != 0:
             return f"train.py exited with status {self.returncode}"
-        if self.final is None:
-            return "no final JSON line on stdout"
+        if f is None or "val_bpb" not in f:
+            return "no final JSON line with val_bpb on stdout"
         return None
 
 
@@ -214,7 +217,7 @@ def run_seed(run: SeedRun) -> SeedRun:
     run.versions, run.world_size = log.versions, log.world_size or 1
     try:
         last = json.loads(lines[-1]) if lines else None
-        run.final = last if isinstance(last, dict) and "val_bpb" in last else None
+        run.final = last if isinstance(last, dict) else None
     except json.JSONDecodeError:
         run.final = None
     return run

@@ -114,7 +114,9 @@ def test_seed_run_problems():
     # quant.cap_bytes can be raised in a config; the challenge's cap cannot.
     assert "over the 16,000,000-byte cap" in SeedRun(1, "r", [], 0, final(1, 1.9, 15_950_000, code=60_000)).problem()
     assert SeedRun(1, "r", [], returncode=1).problem() == "train.py exited with status 1"
-    assert SeedRun(1, "r", [], returncode=0).problem() == "no final JSON line on stdout"
+    assert SeedRun(1, "r", [], returncode=0).problem() == "no final JSON line with val_bpb on stdout"
+    no_artifact = {"export_error": "even all-int5 is over the budget", "fits_cap": False, "code_bytes": 1}
+    assert SeedRun(1, "r", [], 1, no_artifact).problem() == "no artifact: even all-int5 is over the budget"
 
 
 # ----- commands -----
@@ -165,13 +167,18 @@ def test_two_tiny_seeds_give_a_submission(tiny_seed_runs):
     assert "significance" not in sub
 
 
-def test_a_failing_seed_is_reported_and_exits_nonzero(demo_dir, tmp_path, capsys):
-    overrides = [*tiny_run_overrides(demo_dir, tmp_path), f"data.train_files={tmp_path}/missing_*.bin"]
+@pytest.mark.parametrize("failure, message", [
+    ("data.train_files={tmp}/missing_*.bin", "train.py exited with status 1"),
+    ("quant.cap_bytes=90000", "no artifact: "),  # the tiny model does not fit 90 kB: train.py ships nothing
+])
+def test_a_failing_seed_is_reported_and_exits_nonzero(demo_dir, tmp_path, capsys, failure, message):
+    overrides = [*tiny_run_overrides(demo_dir, tmp_path), "train.max_steps=2", "quant.margin_bytes=0",
+                 failure.format(tmp=tmp_path)]
     code = reproduce.main(["--config", str(REPO / "configs/demo.toml"), "--seeds", "5", "--out", str(tmp_path / "sub"),
                            "--", *overrides])
     captured = capsys.readouterr()
     assert code == 1
-    assert "train.py exited with status 1" in captured.out and "no submission.json written" in captured.err
+    assert message in captured.out and "1 of 1 seed(s) failed; no submission.json written" in captured.err
     assert not (tmp_path / "sub").exists()
 
 
