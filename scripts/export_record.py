@@ -289,6 +289,8 @@ def check_runs(logs: list[RunLogData]) -> list[SeedResult]:
     results = []
     for log in logs:
         final = log.require_final()
+        if "val_bpb" not in final:
+            raise ValueError(f"{log.source}: the run shipped no scored artifact ({final.get('export_error', '?')})")
         if final["total_bytes"] > CAP_BYTES:
             raise ValueError(f"{log.source}: {final['total_bytes']:,} bytes is over the {CAP_BYTES:,}-byte cap")
         results.append(SeedResult(log.config_value("train.seed"), final, log.versions, log.world_size or 1))

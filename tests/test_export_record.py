@@ -138,7 +138,10 @@ def test_bad_runs_are_refused_and_nothing_is_written(tiny_seed_runs, tmp_path):
     over = tmp_path / "over.txt"
     final = parse_log(tiny_seed_runs.logs[1]).require_final()
     over.write_text(tiny_seed_runs.logs[1].read_text() + f"final {json.dumps({**final, 'total_bytes': 16_000_001})}\n")
+    unscored = tmp_path / "unscored.txt"
+    unscored.write_text(f"final {json.dumps({'export_error': 'even all-int5 is over', 'fits_cap': False})}\n")
     cases = [([unfinished], "unfinished.txt: no `final"), ([over], "over the 16,000,000-byte cap"),
+             ([unscored], "unscored.txt: the run shipped no scored artifact \\(even all-int5 is over\\)"),
              ([tiny_seed_runs.logs[0]] * 2, "runs share a seed")]
     for runs, message in cases:
         with pytest.raises(SystemExit, match=message):
