@@ -222,6 +222,9 @@ class TokenLoader:
         if self._ready is None:
             self._ready = self._to_device(*self._next_cpu())
         x, y, event, state = self._ready
+        # Free the slots of batches already taken before waiting for the next one: with prefetch=1
+        # the producer would otherwise wait for a slot while we wait for its batch (a deadlock).
+        self._free_slots()
         # Start the next copy now so it overlaps the caller's compute on this batch.
         self._ready = self._to_device(*self._next_cpu()) if self._copy_stream is not None else None
         if event is not None:
