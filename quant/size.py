@@ -1,10 +1,12 @@
 """Size accounting: total = artifact bytes + raw bytes of the code needed to load and evaluate it.
 
 The counted code is the raw (uncompressed) source of the files matched by CODE_FILES, relative to
-the repository root. Raw bytes, not a compressed bundle: that is what ships, and it is what the
-challenge counts for its code. The package __init__ files are listed because the imports need them.
-Every pattern must match at least one file: a renamed module must fail loudly, never be dropped
-from the count.
+the repository root: everything `python -m scripts.evaluate` imports to rebuild the model from the
+artifact and score it (tests/test_quant_size.py checks that list against the evaluator's import
+closure, lazy imports included, so a new dependency cannot slip out of the count). The Triton kernels
+count too: an artifact whose config asks for them runs them. Raw bytes, not a compressed bundle: that
+is what ships. Every pattern must match at least one file: a renamed module must fail loudly, never
+be dropped from the count.
 """
 from __future__ import annotations
 
@@ -14,12 +16,20 @@ CAP_BYTES = 16_000_000  # decimal, not MiB
 
 CODE_FILES = (
     "model/*.py",
-    "kernels/__init__.py",
-    "kernels/*reference*.py",
+    "kernels/*.py",
     "quant/__init__.py",
     "quant/container.py",
     "quant/pack.py",
+    "quant/size.py",
+    "data/__init__.py",
+    "data/shards.py",
+    "data/loader.py",
+    "data/tokenizer.py",
+    "training/__init__.py",
+    "training/config.py",
     "training/evaluate.py",
+    "scripts/__init__.py",
+    "scripts/evaluate.py",
 )
 
 

@@ -15,19 +15,16 @@ def make_repo(root: Path, files: dict[str, bytes]) -> None:
 
 
 def fake_repo_files() -> dict[str, bytes]:
-    return {"model/__init__.py": b"", "model/gpt.py": b"x" * 100, "model/layers.py": b"y" * 30,
-            "kernels/__init__.py": b"", "kernels/mhc_reference.py": b"z" * 7, "kernels/mhc.py": b"TRITON" * 50,
-            "quant/__init__.py": b"#", "quant/container.py": b"c" * 11, "quant/pack.py": b"p" * 13,
-            "quant/gptq.py": b"NOT SHIPPED" * 9, "training/evaluate.py": b"e" * 17, "training/train.py": b"no" * 40}
+    files = {rel.replace("*", "a"): b"x" * (i + 1) for i, rel in enumerate(CODE_FILES)}
+    files.update({"quant/gptq.py": b"NOT SHIPPED" * 9, "training/optim.py": b"no" * 40, "train.py": b"t" * 5})
+    return files
 
 
 def test_code_bytes_counts_exactly_the_listed_files(tmp_path):
     make_repo(tmp_path, fake_repo_files())
-    names = [p.relative_to(tmp_path).as_posix() for p in code_files(tmp_path)]
-    assert names == ["kernels/__init__.py", "kernels/mhc_reference.py", "model/__init__.py", "model/gpt.py",
-                     "model/layers.py", "quant/__init__.py", "quant/container.py", "quant/pack.py",
-                     "training/evaluate.py"]
-    assert code_bytes(tmp_path) == 100 + 30 + 7 + 1 + 11 + 13 + 17
+    names = {p.relative_to(tmp_path).as_posix() for p in code_files(tmp_path)}
+    assert names == {rel.replace("*", "a") for rel in CODE_FILES}
+    assert code_bytes(tmp_path) == sum(range(1, len(CODE_FILES) + 1))
 
 
 def test_a_pattern_matching_nothing_is_an_error(tmp_path):
@@ -38,6 +35,15 @@ def test_a_pattern_matching_nothing_is_an_error(tmp_path):
         code_bytes(tmp_path)
     with pytest.raises(FileNotFoundError, match="not a directory"):
         code_bytes(tmp_path / "missing")
+
+
+def test_counted_code_covers_everything_the_evaluator_imports():
+    """What loads and scores an artifact must be counted: the import closure of scripts/evaluate.py."""
+    from scripts.export_record import collect_modules
+    counted = set(code_files(REPO))
+    needed = {path.resolve() for path, _ in collect_modules(REPO, "scripts.evaluate").values()}
+    missing = sorted(str(p.relative_to(REPO)) for p in needed - {p.resolve() for p in counted})
+    assert not missing, f"imported by scripts/evaluate.py but not counted in quant.size.CODE_FILES: {missing}"
 
 
 def test_code_files_patterns_cover_this_repository_loader():
