@@ -1,0 +1,94 @@
+"""Operations: divergence guard keeps the last good checkpoint, progress bar, optional wandb."""
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from model.gpt import GPT
+from training.checkpoint import Checkpointer, complete_checkpoints
+from training.config import load_config
+from training.distributed import DistInfo
+from training.optim import build_optimizers
+from training.run_log import RunLog, maybe_wandb
+from training.trainer import DivergenceError, ProgressBar, run_training
+
+
+class RandomLoader:
+    def __init__(self):
+        self.g = torch.Generator().manual_seed(0)
+        self.i = 0
+
+    def next_batch(self):
+        self.i += 1
+        ids = torch.randint(0, 64, (4, 17), generator=self.g)
+        return ids[:, :-1], ids[:, 1:]
+
+    def state_dict(self):
+        return {"i": self.i}
+
+
+class NaNAfter:
+    """The model's loss, turned into NaN from call `n` on (as a diverging run would)."""
+
+    def __init__(self, model, n):
+        self.model, self.n, self.calls = model, n, 0
+
+    def __call__(self, x, y):
+        self.calls += 1
+        loss = self.model(x, y)
+        return loss * math.nan if self.calls >= self.n else loss
+
+
+def test_divergence_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    cfg = load_config(None, ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
+                             "model.vocab_size=64", "data.seq_len=16", "train.batch_tokens=64",
+                             "train.micro_batch_seqs=4", "train.max_steps=20", "train.log_every=100"])
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    opts = build_optimizers(model.param_groups(), cfg.optim)
+    ckpt = Checkpointer(tmp_path, every_steps=2, keep=5, rank=0, world_size=1)
+    log = RunLog(tmp_path / "log.txt", enabled=False)
+    with pytest.raises(DivergenceError, match="at step 6"):
+        run_training(cfg, model, NaNAfter(model, 5), RandomLoader(), opts, None,
+                     DistInfo(0, 0, 1, torch.device("cpu")), log, checkpointer=ckpt)
+    # Step 5's NaN is caught when step 6 would be checkpointed: the step-4 checkpoint stays the newest.
+    kept = complete_checkpoints(tmp_path)
+    assert [p.name for p in kept] == ["step_00000002", "step_00000004"]
+    state = torch.load(kept[-1] / "rank0.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_progress_bar_draws_on_a_terminal_only(capsys):
+    fields = dict(step=10, loss=2.5, tok_s=1234, done_pct=50.0, eta_s=12.0, mfu_pct=30.1)
+    ProgressBar(enabled=True).show(fields)
+    out = capsys.readouterr().out
+    assert out.startswith("\r[##########..........]") and "50.0%" in out and "1,234 tok/s" in out
+    assert "mfu 30.1%" in out and "eta 12s" in out
+    ProgressBar(enabled=False).show(fields)
+    assert capsys.readouterr().out == ""
+
+
+def test_wandb_is_optional_and_receives_step_metrics(tmp_path, monkeypatch):
+    assert maybe_wandb(False, "p", "r", {}) is None
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(SystemExit, match="pip install wandb"):
+            maybe_wandb(True, "p", "r", {})
+
+    class FakeRun:
+        def __init__(self):
+            self.logged, self.summary, self.finished = [], {}, False
+
+        def log(self, data, step=None):
+            self.logged.append((step, data))
+
+        def finish(self):
+            self.finished = True
+
+    run = FakeRun()
+    log = RunLog(tmp_path / "log.txt", enabled=True, wandb_run=run)
+    log.record("step", step=3, loss=1.5, tok_s=100)
+    log.record("phase", seconds=2.0)  # not a metric wandb gets
+    log.final({"val_bpb": 1.2, "run_id": "x"})
+    assert run.logged == [(3, {"step/step": 3, "step/loss": 1.5, "step/tok_s": 100})]
+    assert run.summary == {"val_bpb": 1.2, "run_id": "x"} and run.finished
