@@ -1,0 +1,102 @@
+"""Full training-step benchmark: tokens/s, ms/step, MFU and peak memory of the recipe's step.
+
+    python scripts/bench_step.py [--config configs/h100_short.toml] [--steps 30] [--warmup 5]
+                                 [--variants n4-kernels,n4-ref,n1-kernels,n1-ref] [override ...]
+
+Each variant builds the config's model with mHC on (n_streams=4) or off (1) and the Triton kernels
+on or off, compiles the step like train.py (train.compile), and times `--steps` optimizer steps on
+random tokens after `--warmup` steps (compilation happens there). Prints a markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from model.gpt import GPT  # noqa: E402
+from training.config import load_config  # noqa: E402
+from training.optim import build_optimizers  # noqa: E402
+from training.trainer import grad_accum_steps, peak_flops, train_step, training_flops_per_token  # noqa: E402
+
+VARIANTS = {
+    "n4-kernels": ["model.n_streams=4", "model.mhc_kernels=true", "model.mlp_kernel=true"],
+    "n4-ref": ["model.n_streams=4", "model.mhc_kernels=false", "model.mlp_kernel=false"],
+    "n1-kernels": ["model.n_streams=1", "model.mlp_kernel=true"],
+    "n1-ref": ["model.n_streams=1", "model.mlp_kernel=false"],
+}
+
+
+class RandomTokens:
+    """Random batches already on the device: measures the step, not the loader."""
+
+    def __init__(self, batch_seqs: int, seq_len: int, vocab: int, device: torch.device):
+        self.x = torch.randint(0, vocab, (batch_seqs, seq_len + 1), device=device)
+
+    def next_batch(self):
+        return self.x[:, :-1], self.x[:, 1:]
+
+
+def bench_variant(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
+    cfg = load_config(config, overrides)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    model = GPT(cfg.model).to(device)
+    opts = build_optimizers(model.param_groups(), cfg.optim)
+    step_model = torch.compile(model) if cfg.train.compile else model
+    loader = RandomTokens(cfg.train.micro_batch_seqs, cfg.data.seq_len, cfg.model.vocab_size, device)
+    accum = grad_accum_steps(cfg, 1)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        train_step(step_model, loader, opts, cfg, accum, device)
+    sync()
+    warmup_s = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = train_step(step_model, loader, opts, cfg, accum, device)
+    sync()
+    seconds = (time.perf_counter() - t0) / steps
+    tok_s = cfg.train.batch_tokens / seconds
+    peak = peak_flops(device)
+    return {
+        "params": sum(p.numel() for p in model.parameters()), "ms_step": 1000 * seconds, "tok_s": tok_s,
+        "mfu": 100 * training_flops_per_token(model, cfg) * tok_s / peak if peak else float("nan"),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"),
+        "warmup_s": warmup_s, "loss": float(loss),
+    }
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(REPO / "configs/h100_short.toml"))
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("overrides", nargs="*", help="section.key=value applied to every variant")
+    a = p.parse_args(argv)
+    names = a.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    rows = []
+    print("| variant | params | ms/step | tokens/s | MFU % | peak GiB | warm-up s | last loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in names:
+        r = bench_variant(a.config, a.overrides + VARIANTS[name], a.steps, a.warmup)
+        rows.append({"variant": name, **r})
+        print(f"| {name} | {r['params']:,} | {r['ms_step']:.1f} | {r['tok_s']:,.0f} | {r['mfu']:.1f} | "
+              f"{r['peak_gib']:.1f} | {r['warmup_s']:.1f} | {r['loss']:.3f} |", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
