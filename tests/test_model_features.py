@@ -11,25 +11,10 @@ from model.config import ModelConfig
 from model.features import BOS_ID, SMEAR_GATE_INIT, SmearGate, bigram_bucket
 from model.gpt import GPT
 from model.layers import Attention, apply_partial_rotary, rotary_cos_sin
+from test_model import randomize_, tiny  # shared tiny config and non-trivial weights
 
 ALL_ON = dict(xsa_layers=2, rope_dims=4, layer_norm_scale=True, unet_skips=True, smear_gate=True,
               bigram_buckets=96, bigram_dim=16, value_embed_layers=1, value_embed_dim=8)
-
-
-def tiny(**kw) -> ModelConfig:
-    base = dict(vocab_size=64, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, n_streams=4)
-    base.update(kw)
-    return ModelConfig(**base)
-
-
-def randomize_(model: GPT, scale: float = 0.3) -> GPT:
-    """Non-trivial values everywhere (zero-init projections and tables hide bugs); mHC bias kept."""
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not (name.endswith("bias") and "mhc" in name):
-                p.add_(torch.randn(p.shape, generator=g) * scale)
-    return model
 
 
 def tokens(shape=(2, 16), seed=2, low=0) -> torch.Tensor:
