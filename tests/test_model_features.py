@@ -7,7 +7,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.config import ModelConfig
 from model.features import BOS_ID, SMEAR_GATE_INIT, SmearGate, bigram_bucket
 from model.gpt import GPT
 from model.layers import Attention, apply_partial_rotary, rotary_cos_sin
