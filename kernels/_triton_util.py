@@ -21,43 +21,133 @@ def sigmoid(z):
     return 1.0 / (1.0 + tl.exp(-z))
 
 
-@triton.jit
-def sinkhorn_fwd(logits, ITERS: tl.constexpr):
-    """exp(logits) made doubly stochastic: ITERS rounds of row then column normalization.
+# Sinkhorn works on tuples of n*n [BT] vectors (entry (i, j) at index i*n + j): every thread holds
+# whole matrices of its tokens, so the row and column sums are register adds, not cross-thread
+# reductions of a [BT, n, n] tensor.
 
-    logits [BT, n, n] fp32. Subtracting the per-token max first keeps exp() finite; it cancels.
-    """
-    mx = tl.max(tl.max(logits, axis=2), axis=1)
-    m = tl.exp(logits - mx[:, None, None])
+@triton.jit
+def _row_sums(m, n: tl.constexpr):
+    sums = ()
+    for i in tl.static_range(n):
+        s = m[i * n]
+        for j in tl.static_range(1, n):
+            s += m[i * n + j]
+        sums = sums + (s,)
+    return sums
+
+
+@triton.jit
+def _col_sums(m, n: tl.constexpr):
+    sums = ()
+    for j in tl.static_range(n):
+        s = m[j]
+        for i in tl.static_range(1, n):
+            s += m[i * n + j]
+        sums = sums + (s,)
+    return sums
+
+
+@triton.jit
+def _scale_rows(m, s, n: tl.constexpr):
+    """m[i, j] / s[i]."""
+    out = ()
+    for ij in tl.static_range(n * n):
+        out = out + (m[ij] / s[ij // n],)
+    return out
+
+
+@triton.jit
+def _scale_cols(m, s, n: tl.constexpr):
+    """m[i, j] / s[j]."""
+    out = ()
+    for ij in tl.static_range(n * n):
+        out = out + (m[ij] / s[ij % n],)
+    return out
+
+
+@triton.jit
+def sinkhorn_round(m, n: tl.constexpr):
+    """One round: normalize rows, then columns (the reference's order)."""
+    rows = _scale_rows(m, _row_sums(m, n), n)
+    return _scale_cols(rows, _col_sums(rows, n), n)
+
+
+@triton.jit
+def sinkhorn_start(logits, n: tl.constexpr):
+    """exp(logits - max): the max cancels in the normalization and keeps exp() finite."""
+    mx = logits[0]
+    for ij in tl.static_range(1, n * n):
+        mx = tl.maximum(mx, logits[ij])
+    out = ()
+    for ij in tl.static_range(n * n):
+        out = out + (tl.exp(logits[ij] - mx),)
+    return out
+
+
+@triton.jit
+def sinkhorn_fwd(logits, ITERS: tl.constexpr, n: tl.constexpr):
+    m = sinkhorn_start(logits, n)
     for _ in tl.static_range(ITERS):
-        m = m / tl.sum(m, axis=2)[:, :, None]
-        m = m / tl.sum(m, axis=1)[:, None, :]
+        m = sinkhorn_round(m, n)
     return m
 
 
 @triton.jit
-def sinkhorn_bwd(logits, grad, ITERS: tl.constexpr):
+def _sinkhorn_round_bwd(m, g, n: tl.constexpr):
+    """Gradient w.r.t. the input m of one round, given the gradient g of its output."""
+    rho = _row_sums(m, n)
+    rows = _scale_rows(m, rho, n)
+    cols = _col_sums(rows, n)
+    out = _scale_cols(rows, cols, n)
+    g_out = ()
+    for ij in tl.static_range(n * n):
+        g_out = g_out + (g[ij] * out[ij],)
+    d_rows = _scale_cols(g, cols, n)
+    col_dot = _scale_cols(g_out, cols, n)
+    col_dot = _col_sums(col_dot, n)  # sum_i g[i, j] out[i, j] / cols[j]
+    dr = ()
+    for ij in tl.static_range(n * n):
+        dr = dr + (d_rows[ij] - col_dot[ij % n],)
+    dr_rows = ()
+    for ij in tl.static_range(n * n):
+        dr_rows = dr_rows + (dr[ij] * rows[ij],)
+    row_dot = _row_sums(dr_rows, n)
+    d_in = ()
+    for ij in tl.static_range(n * n):
+        d_in = d_in + ((dr[ij] - row_dot[ij // n]) / rho[ij // n],)
+    return d_in
+
+
+@triton.jit
+def sinkhorn_bwd(logits, grad, ITERS: tl.constexpr, SEG: tl.constexpr, n: tl.constexpr):
     """Gradient w.r.t. logits of sinkhorn_fwd(logits), given the gradient of its output.
 
-    Nothing is stored from the forward: before back-propagating through round k, its input is
-    recomputed from exp(logits) (O(ITERS^2) tiny rounds per token, O(n^2) registers). The max shift
-    needs no gradient: the output is invariant to scaling exp(logits), so sum(dm0 * m0) = 0.
+    Nothing is stored from the forward. The iterates are recomputed from exp(logits): checkpoints
+    every SEG rounds (in registers), and each round's input rebuilt from the checkpoint before it,
+    ~ITERS*(SEG+1)/2 extra rounds instead of ITERS^2/2. The max shift needs no gradient: the output
+    is invariant to scaling exp(logits), so sum(dm0 * m0) = 0.
     """
-    mx = tl.max(tl.max(logits, axis=2), axis=1)
-    m0 = tl.exp(logits - mx[:, None, None])
+    m0 = sinkhorn_start(logits, n)
+    NSEG: tl.constexpr = (ITERS + SEG - 1) // SEG
+    checkpoints = ()
+    m = m0
+    for s in tl.static_range(NSEG):
+        checkpoints = checkpoints + (m,)
+        if s < NSEG - 1:
+            for _r in range(SEG):  # a loop, not unrolled: keeps the code (and compile time) small
+                m = sinkhorn_round(m, n)
     g = grad
-    for k in range(ITERS):
-        m = m0
-        for _ in range(ITERS - 1 - k):  # input of round ITERS-1-k
-            m = m / tl.sum(m, axis=2)[:, :, None]
-            m = m / tl.sum(m, axis=1)[:, None, :]
-        rho = tl.sum(m, axis=2)[:, :, None]
-        rows = m / rho
-        cols = tl.sum(rows, axis=1)[:, None, :]
-        out = rows / cols
-        d_rows = (g - tl.sum(g * out, axis=1)[:, None, :]) / cols
-        g = (d_rows - tl.sum(d_rows * rows, axis=2)[:, :, None]) / rho
-    return g * m0
+    for s in tl.static_range(NSEG - 1, -1, -1):
+        # rounds in segment s: SEG, the last one the remainder; round s*SEG + k, last first
+        for k in range((SEG if s < NSEG - 1 else ITERS - s * SEG) - 1, -1, -1):
+            m = checkpoints[s]
+            for _step in range(k):  # (distinct names: Triton types loop variables per name)
+                m = sinkhorn_round(m, n)
+            g = _sinkhorn_round_bwd(m, g, n)
+    out = ()
+    for ij in tl.static_range(n * n):
+        out = out + (g[ij] * m0[ij],)
+    return out
 
 
 # Stream tiles travel as tuples of n two-dimensional [BT, BC] fp32 tiles (stream j of BT tokens over
@@ -65,11 +155,13 @@ def sinkhorn_bwd(logits, grad, ITERS: tl.constexpr):
 # 3-D layout once per consumer, which tripled the registers of the apply and spilled.
 
 @triton.jit
-def load_streams(ptr, row, c, mask, C, n: tl.constexpr):
-    """(x_0, ..., x_{n-1}): tiles ptr[row + j*C + c] of a [T, n, C] tensor, row = token * n*C."""
+def load_streams(ptr, row, c, mask, C, n: tl.constexpr, KEEP_DTYPE: tl.constexpr = False):
+    """(x_0, ..., x_{n-1}): tiles ptr[row + j*C + c] of a [T, n, C] tensor, row = token * n*C; fp32,
+    or in the storage dtype with KEEP_DTYPE (half the registers for bf16, converted where used)."""
     tiles = ()
     for j in tl.static_range(n):
-        tiles = tiles + (tl.load(ptr + row[:, None] + j * C + c[None, :], mask=mask, other=0.0).to(tl.float32),)
+        tile = tl.load(ptr + row[:, None] + j * C + c[None, :], mask=mask, other=0.0)
+        tiles = tiles + (tile if KEEP_DTYPE else tile.to(tl.float32),)
     return tiles
 
 
@@ -94,9 +186,9 @@ def load_mixing(hres_ptr, hpost_ptr, t64, tmask, n: tl.constexpr):
 @triton.jit
 def apply_stream(xs, y, h_res, h_post, i: tl.constexpr, n: tl.constexpr):
     """x'_i = sum_j H_res[i, j] x_j + H_post[i] y, in fp32, for one channel tile."""
-    acc = h_res[i * n][:, None] * xs[0]
+    acc = h_res[i * n][:, None] * xs[0].to(tl.float32)
     for j in tl.static_range(1, n):
-        acc += h_res[i * n + j][:, None] * xs[j]
+        acc += h_res[i * n + j][:, None] * xs[j].to(tl.float32)
     return acc + h_post[i][:, None] * y
 
 

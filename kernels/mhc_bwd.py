@@ -25,21 +25,12 @@ from kernels._triton_util import (apply_stream, channel_block, load_mixing, load
 
 
 @triton.jit
-def coef_bwd_kernel(
-    xs_ptr, du_ptr, dhpost_ptr, dhres_ptr, raw_ptr, rinv_ptr, alpha_ptr, bias_ptr,
-    aux_ptr, part_ptr, T, C,
-    n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    t = pid * BT + tl.arange(0, BT)
+def premix_grad_kernel(xs_ptr, du_ptr, dhpre_ptr, T, C, n: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """dH_pre[t, j] = sum_c du[t, c] * x'[t, j, c]: the one gradient that needs all channels."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
-    K = n * C
-    row = t64 * K
-
-    # dH_pre[j] = sum_c du * x'_j, one [BT] vector per stream. Masked tokens read zeros, so every
-    # gradient below is zero for them.
+    row = t64 * (n * C)
     dh_pre = ()
     for j in tl.static_range(n):
         dh_pre = dh_pre + (tl.zeros([BT], tl.float32),)
@@ -52,54 +43,75 @@ def coef_bwd_kernel(
         for j in tl.static_range(n):
             summed = summed + (dh_pre[j] + tl.sum(xs[j] * du, axis=1),)
         dh_pre = summed
+    for j in tl.static_range(n):
+        tl.store(dhpre_ptr + t64 * n + j, dh_pre[j], mask=tmask)
 
+
+@triton.jit
+def _gate_grads(dh_ptr, raw_row, t64, tmask, alpha, bias_ptr, aux_row, part, g_dot_raw, rinv,
+                START: tl.constexpr, SCALE: tl.constexpr, n: tl.constexpr):
+    """Sigmoid gates h = SCALE * sigmoid(alpha * raw + bias) of columns [START, START+n): stores G and
+    the d(bias) partials; returns (g_dot_raw + sum d(raw) * raw, this program's d(alpha))."""
+    dalpha = 0.0
+    for j in tl.static_range(n):
+        raw_j = tl.load(raw_row + START + j, mask=tmask, other=0.0)
+        s_j = sigmoid(alpha * raw_j + tl.load(bias_ptr + START + j))
+        dl_j = tl.load(dh_ptr + t64 * n + j, mask=tmask, other=0.0) * SCALE * s_j * (1.0 - s_j)
+        g_dot_raw += alpha * dl_j * raw_j
+        tl.store(aux_row + START + j, rinv * alpha * dl_j, mask=tmask)
+        tl.store(part + START + j, tl.sum(dl_j, axis=0))
+        dalpha += tl.sum(dl_j * raw_j, axis=0)
+    return g_dot_raw, dalpha
+
+
+@triton.jit
+def coef_bwd_kernel(
+    dhpre_ptr, dhpost_ptr, dhres_ptr, raw_ptr, rinv_ptr, alpha_ptr, bias_ptr, aux_ptr, part_ptr, T, K,
+    n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr, SEG: tl.constexpr,
+    BT: tl.constexpr,
+):
+    """Per token (one per thread): gradients of the coefficient logits, folded into
+    aux[t] = (G = inv_rms * d(raw) in columns [0, N), rms factor in column N, zeros after).
+
+    raw = (x'.phi) * inv_rms, inv_rms = (sum x'^2 / K + eps)^-1/2, logit = alpha * raw + bias, so
+    dx' = G phi^T + x' * rms_factor with rms_factor = -inv_rms^2 / K * sum(d(raw) * raw).
+    Each program also writes its share of d(bias) [N] and d(alpha) [3] (summed afterwards).
+    """
+    pid = tl.program_id(0)
+    t = pid * BT + tl.arange(0, BT)
+    tmask = t < T          # masked tokens load zero gradients, so all their terms are zero
+    t64 = t.to(tl.int64)
     rinv = tl.load(rinv_ptr + t64, mask=tmask, other=0.0)
-    a_pre = tl.load(alpha_ptr)
-    a_post = tl.load(alpha_ptr + 1)
-    a_res = tl.load(alpha_ptr + 2)
+    raw_row = raw_ptr + t64 * N
     aux_row = aux_ptr + t64 * NP
-    part = part_ptr + pid * (N + 3)   # this program's share of d(bias) [N] and d(alpha) [3]
-
-    # raw = (x'.phi) * inv_rms, inv_rms = (sum x'^2 / K + eps)^-1/2, logit = alpha * raw + bias:
-    #   G = inv_rms * d(raw) = inv_rms * alpha * d(logit);  dx' += G phi^T + x' * rms_factor,
-    #   rms_factor = -inv_rms^2 / K * sum(d(raw) * raw).
+    part = part_ptr + pid * (N + 3)
     g_dot_raw = tl.zeros([BT], tl.float32)
-    dalpha_pre = 0.0
-    for j in tl.static_range(n):  # pre gates, sigmoid
-        raw_j = tl.load(raw_ptr + t64 * N + j, mask=tmask, other=0.0)
-        s_j = sigmoid(a_pre * raw_j + tl.load(bias_ptr + j))
-        dl_j = dh_pre[j] * s_j * (1.0 - s_j)
-        g_dot_raw += a_pre * dl_j * raw_j
-        tl.store(aux_row + j, rinv * a_pre * dl_j, mask=tmask)
-        tl.store(part + j, tl.sum(dl_j, axis=0))
-        dalpha_pre += tl.sum(dl_j * raw_j, axis=0)
-
-    i = tl.arange(0, n)
-    ij = i[:, None] * n + i[None, :]
-    tm2 = tmask[:, None]
-    tm3 = tmask[:, None, None]
-    raw_post = tl.load(raw_ptr + t64[:, None] * N + n + i[None, :], mask=tm2, other=0.0)
-    s_post = sigmoid(a_post * raw_post + tl.load(bias_ptr + n + i)[None, :])
-    dh_post = tl.load(dhpost_ptr + t64[:, None] * n + i[None, :], mask=tm2, other=0.0)
-    dl_post = dh_post * 2.0 * s_post * (1.0 - s_post)
-    raw_res = tl.load(raw_ptr + t64[:, None, None] * N + 2 * n + ij[None, :, :], mask=tm3, other=0.0)
-    res_logits = a_res * raw_res + tl.load(bias_ptr + 2 * n + ij)[None, :, :]
-    dh_res = tl.load(dhres_ptr + t64[:, None, None] * (n * n) + ij[None, :, :], mask=tm3, other=0.0)
-    dl_res = sinkhorn_bwd(res_logits, dh_res, ITERS)
-    g_dot_raw += a_post * tl.sum(dl_post * raw_post, axis=1) + a_res * tl.sum(tl.sum(dl_res * raw_res, axis=2), axis=1)
-
-    tl.store(aux_row[:, None] + n + i[None, :], rinv[:, None] * a_post * dl_post, mask=tm2)
-    tl.store(aux_row[:, None, None] + 2 * n + ij[None, :, :], rinv[:, None, None] * a_res * dl_res, mask=tm3)
-    col = tl.arange(0, NP)
-    rms_factor = -(rinv * rinv / K) * g_dot_raw
-    tail = tl.where(col[None, :] == N, rms_factor[:, None], 0.0)
-    tl.store(aux_row[:, None] + col[None, :], tail, mask=tm2 & (col >= N)[None, :])
-
-    tl.store(part + n + i, tl.sum(dl_post, axis=0))
-    tl.store(part + 2 * n + ij, tl.sum(dl_res, axis=0))
+    g_dot_raw, dalpha_pre = _gate_grads(dhpre_ptr, raw_row, t64, tmask, tl.load(alpha_ptr), bias_ptr, aux_row,
+                                        part, g_dot_raw, rinv, 0, 1.0, n)
+    g_dot_raw, dalpha_post = _gate_grads(dhpost_ptr, raw_row, t64, tmask, tl.load(alpha_ptr + 1), bias_ptr,
+                                         aux_row, part, g_dot_raw, rinv, n, 2.0, n)
+    a_res = tl.load(alpha_ptr + 2)
+    raw_res = ()
+    logits = ()
+    dh_res = ()
+    for ij in tl.static_range(n * n):
+        raw_ij = tl.load(raw_row + 2 * n + ij, mask=tmask, other=0.0)
+        raw_res = raw_res + (raw_ij,)
+        logits = logits + (a_res * raw_ij + tl.load(bias_ptr + 2 * n + ij),)
+        dh_res = dh_res + (tl.load(dhres_ptr + t64 * (n * n) + ij, mask=tmask, other=0.0),)
+    dl_res = sinkhorn_bwd(logits, dh_res, ITERS, SEG, n)
+    dalpha_res = 0.0
+    for ij in tl.static_range(n * n):
+        g_dot_raw += a_res * dl_res[ij] * raw_res[ij]
+        tl.store(aux_row + 2 * n + ij, rinv * a_res * dl_res[ij], mask=tmask)
+        tl.store(part + 2 * n + ij, tl.sum(dl_res[ij], axis=0))
+        dalpha_res += tl.sum(dl_res[ij] * raw_res[ij], axis=0)
+    tl.store(aux_row + N, -(rinv * rinv / K) * g_dot_raw, mask=tmask)
+    for q in tl.static_range(N + 1, NP):
+        tl.store(aux_row + q, tl.zeros([BT], tl.float32), mask=tmask)
     tl.store(part + N, dalpha_pre)
-    tl.store(part + N + 1, tl.sum(tl.sum(dl_post * raw_post, axis=1), axis=0))
-    tl.store(part + N + 2, tl.sum(tl.sum(tl.sum(dl_res * raw_res, axis=2), axis=1), axis=0))
+    tl.store(part + N + 1, dalpha_post)
+    tl.store(part + N + 2, dalpha_res)
 
 
 @triton.jit
@@ -109,8 +121,9 @@ def stream_bwd_kernel(
     dx_ptr, dy_ptr, dhres_part_ptr, dhpost_part_ptr, dphi_part_ptr,
     T, C,
     n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-    APPLY: tl.constexpr, COEF: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    APPLY: tl.constexpr, COEF: tl.constexpr, LOWP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
 ):
+    """LOWP (bf16 streams): the two coefficient-path products take bf16 operands (fp32 accumulate)."""
     pid_c = tl.program_id(0)
     pid_s = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -129,7 +142,7 @@ def stream_bwd_kernel(
         t64 = t.to(tl.int64)
         row = t64 * K
         m2 = tmask[:, None] & cmask[None, :]
-        xs = load_streams(x_ptr, row, c, m2, C, n)
+        xs = load_streams(x_ptr, row, c, m2, C, n, KEEP_DTYPE=True)
         if APPLY:
             h_res, h_post = load_mixing(hres_ptr, hpost_ptr, t64, tmask, n)
             y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -149,13 +162,19 @@ def stream_bwd_kernel(
                 if APPLY:  # x'_i recomputed (one stream at a time: fewer live tiles), rounded as stored
                     xi = apply_stream(xs, y, h_res, h_post, i, n).to(x_ptr.dtype.element_ty).to(tl.float32)
                 else:
-                    xi = xs[i]
+                    xi = xs[i].to(tl.float32)
                 # phi^T tile re-read per token block (L1-resident): held across the loop it would sit
                 # in the replicated dot-operand layout
                 phi_t = tl.load(phi_ptr + (i * C + c)[None, :] * N + col[:, None],
                                 mask=cmask[None, :] & (col < N)[:, None], other=0.0).to(tl.float32)
-                grads = grads + (dxt[i] + h_pre[i][:, None] * du + rms_factor[:, None] * xi + tl.dot(g, phi_t),)
-                sums = sums + (dphi[i] + tl.dot(tl.trans(xi), g),)
+                if LOWP:
+                    gp = tl.dot(g.to(tl.bfloat16), phi_t.to(tl.bfloat16))
+                    dphi_i = tl.dot(tl.trans(xi.to(tl.bfloat16)), g.to(tl.bfloat16))
+                else:
+                    gp = tl.dot(g, phi_t)
+                    dphi_i = tl.dot(tl.trans(xi), g)
+                grads = grads + (dxt[i] + h_pre[i][:, None] * du + rms_factor[:, None] * xi + gp,)
+                sums = sums + (dphi[i] + dphi_i,)
             dxt = grads
             dphi = sums
         if APPLY:
@@ -167,7 +186,7 @@ def stream_bwd_kernel(
             for i in tl.static_range(n):
                 tl.store(dhpost_part_ptr + part_row * n + i, tl.sum(dxt[i] * y, axis=1), mask=tmask)
                 for j in tl.static_range(n):
-                    tl.store(dhres_part_ptr + part_row * (n * n) + i * n + j, tl.sum(dxt[i] * xs[j], axis=1),
+                    tl.store(dhres_part_ptr + part_row * (n * n) + i * n + j, tl.sum(dxt[i] * xs[j].to(tl.float32), axis=1),
                              mask=tmask)
             dx = ()
             for j in tl.static_range(n):
@@ -187,9 +206,14 @@ def stream_bwd_kernel(
 
 # ---------------------------------------------------------------- launchers (make_fx traceable)
 
+TOKENS_PER_THREAD_BLOCK = 128  # coef_bwd on a GPU: 4 warps, one token per thread
+SINKHORN_SEGMENT = 5           # Sinkhorn checkpoint spacing, ~sqrt(20 rounds); n=8 keeps none (registers)
+
+
 # Block sizes: registers are the constraint (sm_90 compile of stream_bwd at n=4: BT=16, BC=64 and
 # 8 warps is the largest tile without spills); the bench's --sweep times the alternatives.
 def coef_bwd_config(device: torch.device) -> dict:
+    """premix_grad block sizes; the per-token kernel runs one token per thread."""
     return dict(BT=32, BC=128, num_warps=8) if device.type == "cuda" else dict(BT=16, BC=32, num_warps=4)
 
 
@@ -203,12 +227,15 @@ def launch_coef_bwd(launch, xs, du, dh_post, dh_res, raw, rinv, alpha, bias, ite
     N, NP = num_coefficients(n), padded_columns(n)
     cfg = dict(coef_bwd_config(xs.device) if cfg is None else cfg)
     BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"), n)
-    programs = triton.cdiv(T, BT)
+    dh_pre = torch.empty((T, n), device=xs.device, dtype=torch.float32)
+    launch(premix_grad_kernel)[(triton.cdiv(T, BT),)](xs, du, dh_pre, T, C, n=n, BT=BT, BC=BC, **cfg)
+    token_block = TOKENS_PER_THREAD_BLOCK if xs.is_cuda else 16
+    programs = triton.cdiv(T, token_block)
     aux = torch.empty((T, NP), device=xs.device, dtype=torch.float32)
     part = torch.empty((programs, N + 3), device=xs.device, dtype=torch.float32)
     launch(coef_bwd_kernel)[(programs,)](
-        xs, du, dh_post, dh_res, raw, rinv, alpha, bias, aux, part, T, C,
-        n=n, N=N, NP=NP, ITERS=iters, BT=BT, BC=BC, **cfg)
+        dh_pre, dh_post, dh_res, raw, rinv, alpha, bias, aux, part, T, n * C,
+        n=n, N=N, NP=NP, ITERS=iters, SEG=SINKHORN_SEGMENT if n <= 4 else iters, BT=token_block, num_warps=4)
     return aux, part[:, N:].sum(dim=0), part[:, :N].sum(dim=0)  # two sums: outputs must not alias
 
 
@@ -236,7 +263,8 @@ def launch_stream_bwd(launch, x, y, h_res, h_post, dx_new, du, aux, raw, alpha, 
         raw if coef else dummy, alpha, bias, phi, dx, dy if apply else dummy,
         dhres_part if apply else dummy, dhpost_part if apply else dummy,
         dphi_part if coef else dummy, T, C,
-        n=n, N=N, NP=NP, APPLY=apply, COEF=coef, BT=BT, BC=BC, **cfg)
+        n=n, N=N, NP=NP, APPLY=apply, COEF=coef, LOWP=cfg.pop("LOWP", x.dtype == torch.bfloat16), BT=BT, BC=BC,
+        **cfg)
     dh_res = dhres_part.sum(dim=0) if apply else None
     dh_post = dhpost_part.sum(dim=0) if apply else None
     dphi = dphi_part[:, :, :N].sum(dim=0) if coef else None

@@ -64,23 +64,24 @@ def coef_premix_kernel(
             acc += tl.dot(xs[i], ph)
 
     # Coefficients, per token in registers. raw goes through global memory (the backward needs it)
-    # and comes back in the [BT, n] / [BT, n, n] shapes the gates and Sinkhorn work on.
+    # and comes back as one [BT] vector per column, the form the gates and Sinkhorn work on.
     rinv = tl.rsqrt(ss / K + EPS)
     tl.store(raw_ptr + t64[:, None] * N + col[None, :], acc * rinv[:, None], mask=tmask[:, None] & (col < N)[None, :])
     tl.store(rinv_ptr + t64, rinv, mask=tmask)
     tl.debug_barrier()  # raw (and x') written by other threads of this program are read below
-    i = tl.arange(0, n)
-    ij = i[:, None] * n + i[None, :]
-    tm2 = tmask[:, None]
-    tm3 = tmask[:, None, None]
     raw_row = raw_ptr + t64 * N
-    h_post = 2.0 * sigmoid(tl.load(alpha_ptr + 1) * tl.load(raw_row[:, None] + n + i[None, :], mask=tm2, other=0.0)
-                           + tl.load(bias_ptr + n + i)[None, :])
-    res_logits = (tl.load(alpha_ptr + 2) * tl.load(raw_row[:, None, None] + 2 * n + ij[None, :, :], mask=tm3, other=0.0)
-                  + tl.load(bias_ptr + 2 * n + ij)[None, :, :])
-    h_res = sinkhorn_fwd(res_logits, ITERS)
-    tl.store(hpost_out_ptr + t64[:, None] * n + i[None, :], h_post, mask=tm2)
-    tl.store(hres_out_ptr + t64[:, None, None] * (n * n) + ij[None, :, :], h_res, mask=tm3)
+    a_post = tl.load(alpha_ptr + 1)
+    for i in tl.static_range(n):
+        raw_i = tl.load(raw_row + n + i, mask=tmask, other=0.0)
+        tl.store(hpost_out_ptr + t64 * n + i, 2.0 * sigmoid(a_post * raw_i + tl.load(bias_ptr + n + i)), mask=tmask)
+    a_res = tl.load(alpha_ptr + 2)
+    logits = ()
+    for ij in tl.static_range(n * n):
+        raw_ij = tl.load(raw_row + 2 * n + ij, mask=tmask, other=0.0)
+        logits = logits + (a_res * raw_ij + tl.load(bias_ptr + 2 * n + ij),)
+    h_res = sinkhorn_fwd(logits, ITERS, n)
+    for ij in tl.static_range(n * n):
+        tl.store(hres_out_ptr + t64 * (n * n) + ij, h_res[ij], mask=tmask)
     h_pre = pre_gates(raw_ptr, alpha_ptr, bias_ptr, t64, tmask, N, n)
 
     # Pass 2: the pre-mix re-reads this program's streams (x' as written in pass 1, from L2).
