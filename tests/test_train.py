@@ -113,3 +113,16 @@ def test_artifact_over_the_cap_is_never_reported_as_success(demo_dir, tmp_path, 
     final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert final["fits_cap"] is False and "over the budget" in final["export_error"]
     assert "val_bpb" not in final and final["pre_quant_val_bpb"] > 0
+
+
+@pytest.mark.slow
+def test_readme_demo_command_completes():
+    """`scripts/run_demo.sh` as the README shows it (a shorter budget: the path is the same)."""
+    import subprocess
+    done = subprocess.run([str(REPO / "scripts/run_demo.sh"), "train.time_budget_s=15", "train.run_id=readme-demo"],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    final = json.loads(lines[-1])
+    assert final["fits_cap"] and final["val_bpb"] > final["source_entropy_bits_per_byte"] > 1.0
+    assert any(line.startswith("summary val_bpb") and "source entropy" in line for line in lines)
