@@ -218,9 +218,9 @@ def num_coefficients(n: int) -> int:
 
 
 def padded_columns(n: int) -> int:
-    """Width of the [tokens, columns] coefficient tiles: room for N = n^2+2n columns plus one spare
-    (the backward keeps the rms-gradient factor there), a power of two and >= 16 for tl.dot."""
-    return max(16, triton.next_power_of_2(num_coefficients(n) + 1))
+    """Width of the [tokens, columns] coefficient tiles: N = n^2+2n columns plus the backward's
+    extras (the rms-gradient factor and H_pre, see mhc_bwd.py), a power of two >= 16 for tl.dot."""
+    return max(16, triton.next_power_of_2(num_coefficients(n) + 1 + n))
 
 
 def check_streams(n: int, C: int, where: str) -> None:

@@ -80,7 +80,7 @@ if HAVE_TRITON:
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         x, phi = x.contiguous(), phi.contiguous()
         aux, dalpha, dbias = launch_coef_bwd(wrap_triton, x, du, dh_post, dh_res, raw, rinv, alpha, bias, iters)
-        dx, _, _, _, dphi = launch_stream_bwd(wrap_triton, x, None, None, None, None, du, aux, raw, alpha, bias, phi)
+        dx, _, _, _, dphi = launch_stream_bwd(wrap_triton, x, None, None, None, None, du, aux, phi)
         return dx, dphi.to(phi.dtype), dalpha.to(alpha.dtype), dbias.to(bias.dtype)
 
     def _pre_setup(ctx, inputs, output):
@@ -108,7 +108,7 @@ if HAVE_TRITON:
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         dx, dy, dh_res, dh_post, _ = launch_stream_bwd(
             wrap_triton, x.contiguous(), y.contiguous(), h_res.contiguous(), h_post.contiguous(), dx_new,
-            None, None, None, h_post, h_post, h_post)
+            None, None, None)
         return dx, dh_res.to(h_res.dtype), dh_post.to(h_post.dtype), dy
 
     def _post_setup(ctx, inputs, output):
@@ -136,7 +136,7 @@ if HAVE_TRITON:
         h_res, h_post = h_res.contiguous(), h_post.contiguous()
         aux, dalpha, dbias = launch_coef_bwd(wrap_triton, x_new, du, dh_post, dh_res, raw, rinv, alpha, bias, iters)
         dx, dy, dh_res_in, dh_post_in, dphi = launch_stream_bwd(
-            wrap_triton, x, y, h_res, h_post, dx_new, du, aux, raw, alpha, bias, phi)
+            wrap_triton, x, y, h_res, h_post, dx_new, du, aux, phi)
         return (dx, dh_res_in.to(h_res.dtype), dh_post_in.to(h_post.dtype), dy, dphi.to(phi.dtype),
                 dalpha.to(alpha.dtype), dbias.to(bias.dtype))
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton_util import (apply_stream, channel_block, load_mixing, load_streams, num_coefficients,
-                                  padded_columns, pre_gates, program_slots, sigmoid, sinkhorn_bwd,
+                                  padded_columns, program_slots, sigmoid, sinkhorn_bwd,
                                   store_streams)
 
 
@@ -49,7 +49,7 @@ def premix_grad_kernel(xs_ptr, du_ptr, dhpre_ptr, T, C, n: tl.constexpr, BT: tl.
 
 @triton.jit
 def _gate_grads(dh_ptr, raw_row, t64, tmask, alpha, bias_ptr, aux_row, part, g_dot_raw, rinv,
-                START: tl.constexpr, SCALE: tl.constexpr, n: tl.constexpr):
+                START: tl.constexpr, SCALE: tl.constexpr, N: tl.constexpr, n: tl.constexpr):
     """Sigmoid gates h = SCALE * sigmoid(alpha * raw + bias) of columns [START, START+n): stores G and
     the d(bias) partials; returns (g_dot_raw + sum d(raw) * raw, this program's d(alpha))."""
     dalpha = 0.0
@@ -59,6 +59,8 @@ def _gate_grads(dh_ptr, raw_row, t64, tmask, alpha, bias_ptr, aux_row, part, g_d
         dl_j = tl.load(dh_ptr + t64 * n + j, mask=tmask, other=0.0) * SCALE * s_j * (1.0 - s_j)
         g_dot_raw += alpha * dl_j * raw_j
         tl.store(aux_row + START + j, rinv * alpha * dl_j, mask=tmask)
+        if START == 0:  # H_pre itself, for the stream pass
+            tl.store(aux_row + N + 1 + j, s_j, mask=tmask)
         tl.store(part + START + j, tl.sum(dl_j, axis=0))
         dalpha += tl.sum(dl_j * raw_j, axis=0)
     return g_dot_raw, dalpha
@@ -71,7 +73,8 @@ def coef_bwd_kernel(
     BT: tl.constexpr,
 ):
     """Per token (one per thread): gradients of the coefficient logits, folded into
-    aux[t] = (G = inv_rms * d(raw) in columns [0, N), rms factor in column N, zeros after).
+    aux[t] = (G = inv_rms * d(raw) in columns [0, N), rms factor in column N, H_pre in columns
+    [N+1, N+1+n), zeros after: G phi^T ignores every column past N, phi having only N).
 
     raw = (x'.phi) * inv_rms, inv_rms = (sum x'^2 / K + eps)^-1/2, logit = alpha * raw + bias, so
     dx' = G phi^T + x' * rms_factor with rms_factor = -inv_rms^2 / K * sum(d(raw) * raw).
@@ -87,9 +90,9 @@ def coef_bwd_kernel(
     part = part_ptr + pid * (N + 3)
     g_dot_raw = tl.zeros([BT], tl.float32)
     g_dot_raw, dalpha_pre = _gate_grads(dhpre_ptr, raw_row, t64, tmask, tl.load(alpha_ptr), bias_ptr, aux_row,
-                                        part, g_dot_raw, rinv, 0, 1.0, n)
+                                        part, g_dot_raw, rinv, 0, 1.0, N, n)
     g_dot_raw, dalpha_post = _gate_grads(dhpost_ptr, raw_row, t64, tmask, tl.load(alpha_ptr + 1), bias_ptr,
-                                         aux_row, part, g_dot_raw, rinv, n, 2.0, n)
+                                         aux_row, part, g_dot_raw, rinv, n, 2.0, N, n)
     a_res = tl.load(alpha_ptr + 2)
     raw_res = ()
     logits = ()
@@ -107,7 +110,7 @@ def coef_bwd_kernel(
         tl.store(part + 2 * n + ij, tl.sum(dl_res[ij], axis=0))
         dalpha_res += tl.sum(dl_res[ij] * raw_res[ij], axis=0)
     tl.store(aux_row + N, -(rinv * rinv / K) * g_dot_raw, mask=tmask)
-    for q in tl.static_range(N + 1, NP):
+    for q in tl.static_range(N + 1 + n, NP):
         tl.store(aux_row + q, tl.zeros([BT], tl.float32), mask=tmask)
     tl.store(part + N, dalpha_pre)
     tl.store(part + N + 1, dalpha_post)
@@ -117,7 +120,7 @@ def coef_bwd_kernel(
 @triton.jit
 def stream_bwd_kernel(
     x_ptr, y_ptr, hres_ptr, hpost_ptr, dxo_ptr,               # apply inputs, grad of the new streams
-    du_ptr, aux_ptr, raw_ptr, alpha_ptr, bias_ptr, phi_ptr,    # coefficient path
+    du_ptr, aux_ptr, phi_ptr,                                  # coefficient path
     dx_ptr, dy_ptr, dhres_part_ptr, dhpost_part_ptr, dphi_part_ptr,
     T, C,
     n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
@@ -155,7 +158,6 @@ def stream_bwd_kernel(
             du = tl.load(du_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
             g = tl.load(aux_ptr + t64[:, None] * NP + col[None, :], mask=tmask[:, None], other=0.0)
             rms_factor = tl.load(aux_ptr + t64 * NP + N, mask=tmask, other=0.0)
-            h_pre = pre_gates(raw_ptr, alpha_ptr, bias_ptr, t64, tmask, N, n)
             grads = ()
             sums = ()
             for i in tl.static_range(n):
@@ -173,7 +175,8 @@ def stream_bwd_kernel(
                 else:
                     gp = tl.dot(g, phi_t)
                     dphi_i = tl.dot(tl.trans(xi), g)
-                grads = grads + (dxt[i] + h_pre[i][:, None] * du + rms_factor[:, None] * xi + gp,)
+                h_pre = tl.load(aux_ptr + t64 * NP + N + 1 + i, mask=tmask, other=0.0)
+                grads = grads + (dxt[i] + h_pre[:, None] * du + rms_factor[:, None] * xi + gp,)
                 sums = sums + (dphi[i] + dphi_i,)
             dxt = grads
             dphi = sums
@@ -186,8 +189,8 @@ def stream_bwd_kernel(
             for i in tl.static_range(n):
                 tl.store(dhpost_part_ptr + part_row * n + i, tl.sum(dxt[i] * y, axis=1), mask=tmask)
                 for j in tl.static_range(n):
-                    tl.store(dhres_part_ptr + part_row * (n * n) + i * n + j, tl.sum(dxt[i] * xs[j].to(tl.float32), axis=1),
-                             mask=tmask)
+                    dh_ij = tl.sum(dxt[i] * xs[j].to(tl.float32), axis=1)
+                    tl.store(dhres_part_ptr + part_row * (n * n) + i * n + j, dh_ij, mask=tmask)
             dx = ()
             for j in tl.static_range(n):
                 acc = h_res[j][:, None] * dxt[0]
@@ -210,15 +213,15 @@ TOKENS_PER_THREAD_BLOCK = 128  # coef_bwd on a GPU: 4 warps, one token per threa
 SINKHORN_SEGMENT = 5           # Sinkhorn checkpoint spacing, ~sqrt(20 rounds); n=8 keeps none (registers)
 
 
-# Block sizes: registers are the constraint (sm_90 compile of stream_bwd at n=4: BT=16, BC=64 and
-# 8 warps is the largest tile without spills); the bench's --sweep times the alternatives.
+# Block sizes: the fastest of scripts/bench_kernels.py mhc --sweep on an H100 (stream_bwd spills a
+# little at BC=128, yet beats the spill-free BC=64: fewer, larger steps hide more memory latency).
 def coef_bwd_config(device: torch.device) -> dict:
     """premix_grad block sizes; the per-token kernel runs one token per thread."""
     return dict(BT=32, BC=128, num_warps=8) if device.type == "cuda" else dict(BT=16, BC=32, num_warps=4)
 
 
 def stream_bwd_config(device: torch.device) -> dict:
-    return dict(BT=16, BC=64, num_warps=8) if device.type == "cuda" else dict(BT=16, BC=32, num_warps=4)
+    return dict(BT=16, BC=128, num_warps=8) if device.type == "cuda" else dict(BT=16, BC=32, num_warps=4)
 
 
 def launch_coef_bwd(launch, xs, du, dh_post, dh_res, raw, rinv, alpha, bias, iters: int, cfg: dict | None = None):
@@ -239,8 +242,7 @@ def launch_coef_bwd(launch, xs, du, dh_post, dh_res, raw, rinv, alpha, bias, ite
     return aux, part[:, N:].sum(dim=0), part[:, :N].sum(dim=0)  # two sums: outputs must not alias
 
 
-def launch_stream_bwd(launch, x, y, h_res, h_post, dx_new, du, aux, raw, alpha, bias, phi,
-                      cfg: dict | None = None):
+def launch_stream_bwd(launch, x, y, h_res, h_post, dx_new, du, aux, phi, cfg: dict | None = None):
     """Stream gradients. With y: x' = apply(x, ...) and dx_new is its incoming gradient; with du:
     the coefficient path of pre(x'). Returns (dx, dy, dh_res, dh_post, dphi), None where absent."""
     T, n, C = x.shape
@@ -260,7 +262,7 @@ def launch_stream_bwd(launch, x, y, h_res, h_post, dx_new, du, aux, raw, alpha, 
     launch(stream_bwd_kernel)[(chunks, splits)](
         x, y if apply else dummy, h_res if apply else dummy, h_post if apply else dummy,
         dx_new if apply else dummy, du if coef else dummy, aux if coef else dummy,
-        raw if coef else dummy, alpha, bias, phi, dx, dy if apply else dummy,
+        phi if coef else dummy, dx, dy if apply else dummy,
         dhres_part if apply else dummy, dhpost_part if apply else dummy,
         dphi_part if coef else dummy, T, C,
         n=n, N=N, NP=NP, APPLY=apply, COEF=coef, LOWP=cfg.pop("LOWP", x.dtype == torch.bfloat16), BT=BT, BC=BC,

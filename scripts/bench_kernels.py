@@ -25,13 +25,14 @@ from kernels import mhc_reference as R
 
 COPY_BYTES = 1 << 30
 SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the default)
-    "coef_premix": [dict(BT=32, BC=64, num_warps=8), dict(BT=16, BC=64, num_warps=8), dict(BT=32, BC=32, num_warps=4),
-                    dict(BT=16, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=4), dict(BT=64, BC=64, num_warps=8)],
-    "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=32, BC=64, num_warps=4), dict(BT=64, BC=64, num_warps=8),
-                 dict(BT=16, BC=128, num_warps=4)],
-    "stream_bwd": [dict(BT=16, BC=64, num_warps=8), dict(BT=16, BC=64, num_warps=8, splits=33),
-                   dict(BT=16, BC=64, num_warps=8, splits=132), dict(BT=32, BC=64, num_warps=8),
-                   dict(BT=16, BC=32, num_warps=4), dict(BT=16, BC=128, num_warps=8)],
+    "coef_premix": [dict(BT=16, BC=64, num_warps=4), dict(BT=16, BC=128, num_warps=4), dict(BT=32, BC=64, num_warps=4),
+                    dict(BT=16, BC=64, num_warps=8), dict(BT=32, BC=64, num_warps=8), dict(BT=16, BC=32, num_warps=2)],
+    "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
+                 dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
+    "stream_bwd": [dict(BT=16, BC=128, num_warps=8), dict(BT=16, BC=64, num_warps=8), dict(BT=32, BC=64, num_warps=8),
+                   dict(BT=32, BC=128, num_warps=8), dict(BT=16, BC=256, num_warps=8),
+                   dict(BT=16, BC=128, num_warps=16), dict(BT=16, BC=128, num_warps=8, LOWP=False),
+                   dict(BT=16, BC=128, num_warps=8, splits=33)],
 }
 
 
@@ -113,8 +114,7 @@ def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float) -> list
                         (2 * n + 2) * C * 2),
         "coef_bwd": (lambda cfg: launch_coef_bwd(direct, x_new, du, dhp, dhr, raw, rinv, alpha, bias, 20, cfg),
                      (n + 1) * C * 2),
-        "stream_bwd": (lambda cfg: launch_stream_bwd(direct, x, y, h_res, h_post, dxo, du, aux, raw, alpha, bias,
-                                                     phi, cfg), (3 * n + 3) * C * 2),
+        "stream_bwd": (lambda cfg: launch_stream_bwd(direct, x, y, h_res, h_post, dxo, du, aux, phi, cfg), (3 * n + 3) * C * 2),
     }
     rows = []
     for name, (run, stream_bytes) in runs.items():
