@@ -126,3 +126,17 @@ def test_readme_demo_command_completes():
     final = json.loads(lines[-1])
     assert final["fits_cap"] and final["val_bpb"] > final["source_entropy_bits_per_byte"] > 1.0
     assert any(line.startswith("summary val_bpb") and "source entropy" in line for line in lines)
+
+
+def test_periodic_eval_self_generated_calibration_and_compile(demo_dir, tmp_path):
+    """eval.every_steps, quant.calib_source=generated and train.compile on one tiny CPU run."""
+    import train
+    final = train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
+                        "train.max_steps=6", "eval.every_steps=3", "eval.max_tokens=500",
+                        "quant.calib_source=generated", "quant.calib_seqs=2", "train.compile=true",
+                        "train.run_id=gen"])
+    log = (tmp_path / "logs" / "gen.txt").read_text().splitlines()
+    periodic = [json.loads(line[5:]) for line in log if line.startswith("eval ") and '"stage"' not in line]
+    assert [e["step"] for e in periodic] == [3, 6]
+    assert any("compile_warmup" in line for line in log)
+    assert final["calib_source"] == "generated" and final["fits_cap"]
