@@ -13,12 +13,18 @@ more (that would need gradients).
 The budget is checked on real bytes: `size_of(bits_by_name)` builds the complete artifact (cached
 per-tensor chunks make this cheap) and returns its length. The search finds the largest prefix k that
 fits by bisection; every returned assignment has been measured, never estimated.
+
+int4 fallback (quant.min_bits = 4): when even all-int5 is over the budget, the matrices whose int5 -> int4
+step costs least error per parameter, d = (E4 - E5) / numel, are demoted to int4, the fewest that make
+the artifact fit (again a measured bisection). int5/int6 stays the recipe; int4 is only ever used to
+ship instead of failing, and the log says how many matrices it took.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
 LOW_BITS, HIGH_BITS = 5, 6
+FALLBACK_BITS = 4
 
 
 class BudgetError(ValueError):
@@ -30,14 +36,18 @@ def rank_by_sensitivity(sensitivity: dict[str, float]) -> list[str]:
     return sorted(sensitivity, key=lambda name: (-sensitivity[name], name))
 
 
-def assignment(order: list[str], k: int) -> dict[str, int]:
-    return {name: HIGH_BITS if i < k else LOW_BITS for i, name in enumerate(order)}
+def assignment(order: list[str], k: int, bits: int = HIGH_BITS) -> dict[str, int]:
+    """The first k names of `order` get `bits`, the rest LOW_BITS."""
+    return {name: bits if i < k else LOW_BITS for i, name in enumerate(order)}
 
 
 def allocate_bits(sensitivity: dict[str, float], size_of: Callable[[dict[str, int]], int],
-                  budget_bytes: int) -> tuple[dict[str, int], int, list[dict]]:
+                  budget_bytes: int, demotion_cost: dict[str, float] | None = None
+                  ) -> tuple[dict[str, int], int, list[dict]]:
     """Returns (bits per matrix, artifact bytes of that choice, the search log).
 
+    `demotion_cost` (per matrix, (E4 - E5) / numel) enables the int4 fallback; without it an
+    all-int5 artifact over the budget raises BudgetError.
     Assumes size grows with k (int6 chunks are larger than int5 ones); if a glitch broke that, the
     result would still fit (only measured sizes are accepted) but might not be the largest k.
     """
@@ -48,14 +58,16 @@ def allocate_bits(sensitivity: dict[str, float], size_of: Callable[[dict[str, in
 
     def measure(k: int) -> int:
         size = int(size_of(assignment(order, k)))
-        probes.append({"n_int6": k, "artifact_bytes": size, "fits": size <= budget_bytes})
+        probes.append({"n_int6": k, "n_int4": 0, "artifact_bytes": size, "fits": size <= budget_bytes})
         return size
 
     size_lo = measure(0)
     if size_lo > budget_bytes:
-        raise BudgetError(f"even all-int{LOW_BITS} ({len(order)} matrices) makes a {size_lo}-byte artifact, "
-                          f"over the budget of {budget_bytes} bytes by {size_lo - budget_bytes} bytes; "
-                          "hint: shrink the model or store more tensors at lower precision")
+        if demotion_cost is None:
+            raise BudgetError(f"even all-int{LOW_BITS} ({len(order)} matrices) makes a {size_lo}-byte artifact, "
+                              f"over the budget of {budget_bytes} bytes by {size_lo - budget_bytes} bytes; "
+                              "hint: shrink the model, or allow the int4 fallback with quant.min_bits=4")
+        return _demote_to_fit(demotion_cost, size_of, budget_bytes, probes)
     lo, hi, best_size = 0, len(order), size_lo  # invariant: k = lo fits; k > hi is not known to fit
     size_hi = measure(hi)
     if size_hi <= budget_bytes:
@@ -69,6 +81,32 @@ def allocate_bits(sensitivity: dict[str, float], size_of: Callable[[dict[str, in
         else:
             hi = mid - 1
     return assignment(order, lo), best_size, probes
+
+
+def _demote_to_fit(demotion_cost: dict[str, float], size_of: Callable[[dict[str, int]], int],
+                   budget_bytes: int, probes: list[dict]) -> tuple[dict[str, int], int, list[dict]]:
+    """All-int5 is over the budget: demote the cheapest matrices to int4, as few as fit (bisection)."""
+    order = sorted(demotion_cost, key=lambda name: (demotion_cost[name], name))  # cheapest first
+
+    def measure(k: int) -> int:
+        size = int(size_of(assignment(order, k, FALLBACK_BITS)))
+        probes.append({"n_int6": 0, "n_int4": k, "artifact_bytes": size, "fits": size <= budget_bytes})
+        return size
+
+    size_all = measure(len(order))
+    if size_all > budget_bytes:
+        raise BudgetError(f"even all-int{FALLBACK_BITS} ({len(order)} matrices) makes a {size_all}-byte artifact, "
+                          f"over the budget of {budget_bytes} bytes by {size_all - budget_bytes} bytes; "
+                          "hint: shrink the model (fewer layers, a narrower MLP) or store fewer tensors as tables")
+    lo, hi, best_size = 0, len(order), size_all  # invariant: k = hi fits; k <= lo is known not to fit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        size = measure(mid)
+        if size <= budget_bytes:
+            hi, best_size = mid, size
+        else:
+            lo = mid
+    return assignment(order, hi, FALLBACK_BITS), best_size, probes
 
 
 def allocation_log(order_sensitivity: dict[str, float], bits: dict[str, int], details: dict[str, dict]) -> list[dict]:

@@ -1,7 +1,8 @@
 """The one entry point the trainer calls: calibrate, quantize, allocate bits, write and verify the artifact.
 
 Which tensor gets which treatment (by state_dict name):
-  * the weight of every nn.Linear           -> GPTQ (or RTN) int5/int6, per allocate.allocate_bits;
+  * the weight of every nn.Linear           -> GPTQ (or RTN) int5/int6, per allocate.allocate_bits
+                                               (int4 for a few when min_bits=4 and all-int5 is over budget);
   * nn.Embedding weights, and 2-D tensors
     matching one of `table_patterns`        -> int8 per-row scale, round-to-nearest;
   * everything else (norm gains, scalars,
@@ -20,13 +21,14 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from quant.allocate import HIGH_BITS, LOW_BITS, allocate_bits, allocation_log
+from quant.allocate import FALLBACK_BITS, HIGH_BITS, LOW_BITS, allocate_bits, allocation_log
 from quant.calibrate import collect_hessians
 from quant.container import ChunkCache, build_artifact, check_meta, dequantize_state, load_artifact, save_artifact
 from quant.gptq import gptq_quantize, rtn_quantize
 from quant.pack import QuantizedTensor
 
 METHODS = ("gptq", "rtn")
+MIN_BITS = (FALLBACK_BITS, LOW_BITS)
 TABLE_BITS = 8
 FP32_MAX_NUMEL = 64
 
@@ -85,29 +87,34 @@ def small_tensor(tensor: torch.Tensor) -> np.ndarray:
     return t.numpy().copy()
 
 
-def quantize_matrices(plan: TensorPlan, hessians: dict[str, torch.Tensor], method: str,
+def quantize_matrices(plan: TensorPlan, hessians: dict[str, torch.Tensor], method: str, min_bits: int = LOW_BITS,
                       ) -> tuple[dict[str, dict[int, QuantizedTensor]], dict[str, dict]]:
-    """int5 and int6 candidates per matrix, and their errors for the allocation log."""
+    """Candidates per matrix for every width from min_bits to int6, and their errors (errB keys)."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization method {method!r}; expected one of {METHODS}")
+    widths = tuple(range(min_bits, HIGH_BITS + 1))
     candidates, details = {}, {}
     for name, module in plan.linears.items():
         h = hessians[name]
         weight = module.weight.detach().to(h.device)
         if method == "gptq":
-            results = gptq_quantize(weight, h, (LOW_BITS, HIGH_BITS))
+            results = gptq_quantize(weight, h, widths)
         else:
-            results = {b: rtn_quantize(weight, b, h) for b in (LOW_BITS, HIGH_BITS)}
+            results = {b: rtn_quantize(weight, b, h) for b in widths}
         candidates[name] = {b: qt for b, (qt, _) in results.items()}
         details[name] = {"shape": list(weight.shape), "trace_h_per_in": float(torch.trace(h)) / h.shape[0],
-                         "err5": results[LOW_BITS][1], "err6": results[HIGH_BITS][1]}
+                         **{f"err{b}": results[b][1] for b in widths}}
     return candidates, details
 
 
 def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], path: str, meta: dict,
                     budget_bytes: int, method: str = "gptq", log: Callable[[str], None] = print,
-                    table_patterns: Iterable[str] = (), codec: str = "brotli", layout: str = "byte") -> dict:
+                    table_patterns: Iterable[str] = (), codec: str = "brotli", layout: str = "byte",
+                    min_bits: int = LOW_BITS) -> dict:
     """Quantize `model` into the artifact at `path` (at most `budget_bytes`); returns the report.
+
+    min_bits=4 lets the allocator demote the least sensitive matrices to int4 when even all-int5 is
+    over the budget (see quant/allocate.py); with 5 that case raises BudgetError.
 
     The model is not modified. After writing, the artifact is read back and checked bit for bit
     against the in-memory quantized tensors, so the reported size is the size of what loads.
@@ -115,6 +122,8 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     check_meta(meta)
     if method not in METHODS:
         raise ValueError(f"unknown quantization method {method!r}; expected one of {METHODS}")
+    if min_bits not in MIN_BITS:
+        raise ValueError(f"min_bits={min_bits}: expected one of {MIN_BITS} (int4 fallback or int5 floor)")
     plan = plan_tensors(model, table_patterns)
     if not plan.linears:
         raise ValueError("the model has no nn.Linear modules to quantize")
@@ -124,7 +133,7 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     timings["calib_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    candidates, details = quantize_matrices(plan, hessians, method)
+    candidates, details = quantize_matrices(plan, hessians, method, min_bits)
     state = model.state_dict()
     fixed = {name: rtn_quantize(state[name], TABLE_BITS)[0] for name in plan.tables}
     fixed.update({name: small_tensor(state[name]) for name in plan.others})
@@ -138,9 +147,12 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
         return {name: candidates[name][bits[name]] if name in candidates else fixed[name] for name in state}
 
     t = time.perf_counter()
-    sensitivity = {n: (d["err5"] - d["err6"]) / (d["shape"][0] * d["shape"][1]) for n, d in details.items()}
+    numel = {n: d["shape"][0] * d["shape"][1] for n, d in details.items()}
+    sensitivity = {n: (d["err5"] - d["err6"]) / numel[n] for n, d in details.items()}
+    demotion = ({n: (d["err4"] - d["err5"]) / numel[n] for n, d in details.items()}
+                if min_bits == FALLBACK_BITS else None)
     bits, size, probes = allocate_bits(sensitivity, lambda b: len(build_artifact(meta, compose(b), codec, layout, cache)),
-                                       budget_bytes)
+                                       budget_bytes, demotion)
     timings["alloc_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -153,6 +165,7 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     report = {"method": method, "codec": codec, "layout": layout, "calib_tokens": n_tokens,
               "artifact_bytes": written, "budget_bytes": budget_bytes,
               "n_int6": sum(b == HIGH_BITS for b in bits.values()), "n_int5": sum(b == LOW_BITS for b in bits.values()),
+              "n_int4": sum(b == FALLBACK_BITS for b in bits.values()),
               "tables_int8": list(plan.tables), "others": {n: str(fixed[n].dtype) for n in plan.others},
               "matrices": matrices, "probes": probes, **timings}
     _log_report(report, log)
@@ -176,7 +189,11 @@ def _log_report(report: dict, log: Callable[[str], None]) -> None:
         f"({len(report['probes'])} artifacts built), save+verify {report['save_verify_s']:.1f}s")
     for row in report["matrices"]:
         log(f"quant: rank {row['rank']:>3} int{row['bits']} {row['name']:<44} sens {row['sensitivity']:.3e} "
-            f"err5 {row['err5']:.3e} err6 {row['err6']:.3e} tr(H)/in {row['trace_h_per_in']:.3e}")
-    log(f"quant: {report['n_int6']} int6 + {report['n_int5']} int5 matrices, {len(report['tables_int8'])} int8 tables, "
+            + (f"err4 {row['err4']:.3e} " if "err4" in row else "")
+            + f"err5 {row['err5']:.3e} err6 {row['err6']:.3e} tr(H)/in {row['trace_h_per_in']:.3e}")
+    if report["n_int4"]:
+        log(f"quant: WARNING all-int5 was over the budget: {report['n_int4']} matrices fell back to int4 "
+            "(quant.min_bits=4); the quantization gap will be larger than the int5/int6 recipe's")
+    log(f"quant: {report['n_int6']} int6 + {report['n_int5']} int5 + {report['n_int4']} int4 matrices, {len(report['tables_int8'])} int8 tables, "
         f"{len(report['others'])} other tensors; artifact {report['artifact_bytes']} bytes "
         f"(budget {report['budget_bytes']}, {report['codec']}, layout {report['layout']})")

@@ -1,7 +1,7 @@
 """Quantized tensors and their byte layouts (vectorized numpy, bit-exact round trips).
 
-A QuantizedTensor is integer codes in [-qmax, qmax] (qmax = 2^(bits-1) - 1: int5 -> 15, int6 -> 31,
-int8 -> 127) with one fp16 scale per row; its value is codes * scale, computed in fp32 by
+A QuantizedTensor is integer codes in [-qmax, qmax] (qmax = 2^(bits-1) - 1: int4 -> 7, int5 -> 15,
+int6 -> 31, int8 -> 127) with one fp16 scale per row; its value is codes * scale, computed in fp32 by
 `dequantize` (the one definition both the exporter and the loader use, so they agree bit for bit).
 
 Codes are first zigzag-mapped to unsigned (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...) and then laid out as:
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 LAYOUTS = ("byte", "dense", "bitplane")
-WIDTHS = (5, 6, 8)
+WIDTHS = (4, 5, 6, 8)
 
 
 def qmax_for(bits: int) -> int:

@@ -31,6 +31,7 @@ def test_overrides_apply_after_the_file_with_types():
     ("model.n_heads=5", "divisible by model.n_heads"),
     ("train.schedule=tokens", "train.schedule"),
     ("quant.method=awq", "quant.method"),
+    ("quant.min_bits=3", "quant.min_bits=3: expected 5"),
     ("model.n_streams=0", "n_streams"),
 ])
 def test_bad_overrides_name_the_field(override, message):

@@ -76,3 +76,28 @@ def test_allocation_log_lists_every_matrix_in_rank_order():
     assert [r["name"] for r in rows] == ["y", "z", "x"]
     assert [r["rank"] for r in rows] == [0, 1, 2]
     assert rows[0] == {"rank": 0, "name": "y", "bits": 6, "sensitivity": 3.0, "err5": 0.5}
+
+
+def test_int4_fallback_demotes_the_cheapest_fewest_matrices():
+    """All-int5 is over the budget: the matrices whose int4 step costs least go to int4, as few as fit."""
+    sizes = {f"m{i}": 100 for i in range(6)}
+    step = {4: -30, 5: 0, 6: 20}
+    size_of = lambda bits: sum(sizes[n] + step[b] for n, b in bits.items())  # noqa: E731
+    sens = {f"m{i}": 1.0 for i in range(6)}
+    demotion = {"m0": 3.0, "m1": 0.5, "m2": 9.0, "m3": 0.1, "m4": 2.0, "m5": 7.0}
+    for budget, expect in [(600 - 60, {"m3", "m1"}), (600 - 61, {"m3", "m1", "m4"}), (600 - 180, set(sizes))]:
+        bits, size, probes = allocate_bits(sens, size_of, budget, demotion)
+        assert {n for n, b in bits.items() if b == 4} == expect
+        assert set(bits.values()) <= {4, 5} and size == size_of(bits) <= budget
+        assert probes[0] == {"n_int6": 0, "n_int4": 0, "artifact_bytes": 600, "fits": False}
+        assert all(p["fits"] == (p["artifact_bytes"] <= budget) for p in probes)
+    with pytest.raises(BudgetError, match=r"all-int4 \(6 matrices\) makes a 420-byte artifact.*by 1 bytes"):
+        allocate_bits(sens, size_of, 419, demotion)
+    # When all-int5 fits, the fallback table changes nothing: int5/int6 as without it.
+    assert allocate_bits(sens, size_of, 700, demotion) == allocate_bits(sens, size_of, 700)
+
+
+def test_budget_error_without_fallback_names_the_option():
+    size_of = lambda bits: 1000  # noqa: E731
+    with pytest.raises(BudgetError, match="quant.min_bits=4"):
+        allocate_bits({"a": 1.0}, size_of, 900)

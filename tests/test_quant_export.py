@@ -144,3 +144,24 @@ def test_small_tensor_rule_is_by_size():
     assert small_tensor(torch.ones(FP32_MAX_NUMEL)).dtype == np.float32
     assert small_tensor(torch.ones(FP32_MAX_NUMEL + 1)).dtype == np.float16
     assert small_tensor(torch.arange(3)).dtype == np.int64
+
+
+def test_export_int4_fallback_ships_what_int5_cannot(tmp_path, model):
+    """A budget between the all-int4 and all-int5 sizes: min_bits=5 refuses, min_bits=4 ships some int4
+    matrices, logs the warning, and the artifact loads to exactly those codes' values."""
+    all5 = run_export(model, tmp_path / "b.art", 10**7)[0]
+    n5 = len(all5["matrices"])
+    low = min(p["artifact_bytes"] for p in all5["probes"])  # all-int5
+    with pytest.raises(BudgetError, match="quant.min_bits=4"):
+        run_export(model, tmp_path / "a.art", low - 200)
+    report, lines = run_export(model, tmp_path / "c.art", low - 200, min_bits=4)
+    assert 0 < report["n_int4"] <= n5 and report["n_int6"] == 0 and report["artifact_bytes"] <= low - 200
+    assert any("fell back to int4" in line for line in lines)
+    assert all("err4" in row for row in report["matrices"])
+    assert {row["bits"] for row in report["matrices"]} <= {4, 5}
+    _, tensors = load_artifact(tmp_path / "c.art")
+    int4 = [row["name"] for row in report["matrices"] if row["bits"] == 4]
+    w = tensors[int4[0]]
+    assert len(torch.unique(w[0])) <= 15  # int4: at most 15 levels per row
+    with pytest.raises(ValueError, match="min_bits=3"):
+        run_export(model, tmp_path / "d.art", 10**7, min_bits=3)

@@ -63,6 +63,7 @@ class QuantConfig:
     calib_reserve_s: float = 0.0       # seconds of train.time_budget_s kept for calibration
     cap_bytes: int = 16_000_000        # artifact + code must fit (decimal bytes)
     margin_bytes: int = 20_000         # safety margin under the cap for the int5/int6 allocation
+    min_bits: int = 5                  # 4: if all-int5 is over the cap, demote the least sensitive matrices to int4
 
 
 @dataclass
@@ -181,6 +182,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.schedule='time' needs train.time_budget_s > 0")
     if cfg.quant.method not in ("gptq", "rtn"):
         raise ConfigError(f"quant.method={cfg.quant.method!r}: expected 'gptq' or 'rtn'")
+    if cfg.quant.min_bits not in (4, 5):
+        raise ConfigError(f"quant.min_bits={cfg.quant.min_bits}: expected 5 (int5/int6 only) or 4 (int4 fallback "
+                          "when all-int5 is over the cap)")
     if cfg.quant.calib_source not in ("train", "generated"):
         raise ConfigError(f"quant.calib_source={cfg.quant.calib_source!r}: expected 'train' or 'generated'")
     if t.time_budget_s and cfg.quant.calib_reserve_s >= t.time_budget_s:
