@@ -135,7 +135,7 @@ class GPT(nn.Module):
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         streams = x.to(dtype).unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]).contiguous()
         p0 = self.mhc[0]
-        u, h_post, h_res = self.ops.pre(streams, p0.phi, p0.alpha, p0.bias, it)
+        u, h_post, h_res = self.ops.pre(streams, p0.projection(), p0.alpha, p0.bias, it)
         saved: list[torch.Tensor] = []  # U-Net: attention input u of each encoder block (see module doc)
         last = len(self.sublayers) - 1
         for l, sub in enumerate(self.sublayers):
@@ -146,7 +146,7 @@ class GPT(nn.Module):
             y = sub(u, *self._extra(l, value_embed)).to(dtype)
             if l < last:
                 p = self.mhc[l + 1]
-                streams, u, h_post, h_res = self.ops.post_pre(streams, h_res, h_post, y, p.phi, p.alpha, p.bias, it)
+                streams, u, h_post, h_res = self.ops.post_pre(streams, h_res, h_post, y, p.projection(), p.alpha, p.bias, it)
             else:
                 streams = self.ops.post(streams, h_res, h_post, y)
         return torch.einsum("...nc,n->...c", streams.float(), self.readout.float())

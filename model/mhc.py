@@ -14,16 +14,28 @@ from kernels.mhc_reference import mhc_init_bias, mhc_num_coefficients
 class MHCParams(nn.Module):
     """phi [n*C, n^2+2n], alpha [3], bias [n^2+2n] for one sublayer (see kernels/mhc_reference.py).
 
-    phi ~ N(0, 1/(n*C)) makes x̃·phi / rms(x̃) unit-scale, so alpha sets the size of the per-token
-    modulation around the bias; the bias alone gives the plain-residual start (mhc_init_bias).
+    The projection the kernels use is phi / sqrt(n*C) (`projection()`): x̃·that / rms(x̃) is then
+    unit-scale, so alpha sets the size of the per-token modulation around the bias; the bias alone
+    gives the plain-residual start (mhc_init_bias).
+
+    Why the parameter is stored at unit scale: AdamW moves every element by about lr per step
+    whatever its size. Stored at its natural scale 1/sqrt(n*C) (0.022 at n*C = 2048), phi changed by
+    more than its own size every step at the scalar lr 0.025, the H_res logits grew by tens per
+    step, and a 1xH100 run of configs/h100_short.toml diverged (NaN) at step 250. At unit scale the
+    same lr is a 2.5% relative step, like the other scalars.
     """
 
     def __init__(self, n_streams: int, dim: int, alpha_init: float):
         super().__init__()
         k = n_streams * dim
-        self.phi = nn.Parameter(torch.randn(k, mhc_num_coefficients(n_streams)) / math.sqrt(k))
+        self.phi = nn.Parameter(torch.randn(k, mhc_num_coefficients(n_streams)))
+        self.phi_scale = 1.0 / math.sqrt(k)
         self.alpha = nn.Parameter(torch.full((3,), float(alpha_init)))
         self.bias = nn.Parameter(mhc_init_bias(n_streams))
+
+    def projection(self) -> torch.Tensor:
+        """The [n*C, n^2+2n] projection the mHC calls take (phi times its fixed scale)."""
+        return self.phi * self.phi_scale
 
 
 def mhc_ops(use_kernels: bool) -> SimpleNamespace:

@@ -7,6 +7,8 @@ from kernels.mhc_reference import mhc_coefficients, mhc_init_bias, sinkhorn_knop
 from model.config import ModelConfig
 from model.gpt import GPT
 from model.layers import Attention
+from model.mhc import MHCParams
+from training.config import OptimConfig
 
 
 def tiny(**kw) -> ModelConfig:
@@ -22,7 +24,9 @@ def randomize_(model: GPT, scale: float = 0.3) -> GPT:
         for name, p in model.named_parameters():
             if name.endswith("bias") and "mhc" in name:
                 continue  # keep the structural mHC bias, perturbed below via alpha/phi
-            p.add_(torch.randn(p.shape, generator=g) * scale)
+            # phi is stored at unit scale and used times phi_scale: perturb what the model computes with.
+            unit = model.mhc[0].phi_scale if name.endswith(".phi") else 1.0
+            p.add_(torch.randn(p.shape, generator=g) * scale / unit)
     return model
 
 
@@ -142,3 +146,34 @@ def test_softcap_bounds_logits_and_zero_disables():
     uncapped = GPT(tiny(n_streams=1, logit_softcap=0.0))
     uncapped.load_state_dict(model.state_dict())
     assert uncapped(idx).abs().max() > 2.0
+
+
+def _first_adam_step_logit_change(params: MHCParams, lr: float) -> float:
+    """Largest change of the projected logits x̃·projection/rms(x̃) over 64 tokens after one AdamW step
+    on phi (Adam's first step moves every element by ~lr, whatever the gradient's size)."""
+    torch.manual_seed(3)
+    n_c = params.phi.shape[0]
+    x = torch.randn(64, n_c)
+    target = torch.randn(64, params.phi.shape[1])
+
+    def raw():
+        return (x @ params.projection()) * torch.rsqrt(x.square().mean(dim=-1, keepdim=True))
+
+    before = raw().detach()
+    opt = torch.optim.AdamW([params.phi], lr=lr, weight_decay=0.0)
+    (raw() * target).sum().backward()
+    opt.step()
+    return float((raw().detach() - before).abs().max())
+
+
+def test_phi_is_stored_at_unit_scale_so_adam_steps_stay_small():
+    """Regression: phi stored at its natural scale 1/sqrt(n*C) moved by more than its own size per
+    AdamW step at the scalar lr, and the mHC logits exploded (NaN at step 250 on an H100)."""
+    lr = OptimConfig().scalar_lr
+    params = MHCParams(4, 512, alpha_init=0.01)
+    assert params.phi.std().item() == pytest.approx(1.0, rel=0.05)
+    assert _first_adam_step_logit_change(params, lr) < 1.0
+    with torch.no_grad():  # the old parametrization: the same projection stored as the parameter itself
+        params.phi.mul_(params.phi_scale)
+    params.phi_scale = 1.0
+    assert _first_adam_step_logit_change(params, lr) > 3.0
