@@ -110,11 +110,12 @@ def quantize_matrices(plan: TensorPlan, hessians: dict[str, torch.Tensor], metho
 def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], path: str, meta: dict,
                     budget_bytes: int, method: str = "gptq", log: Callable[[str], None] = print,
                     table_patterns: Iterable[str] = (), codec: str = "brotli", layout: str = "byte",
-                    min_bits: int = LOW_BITS) -> dict:
+                    min_bits: int = LOW_BITS, autocast_dtype: torch.dtype | None = None) -> dict:
     """Quantize `model` into the artifact at `path` (at most `budget_bytes`); returns the report.
 
     min_bits=4 lets the allocator demote the least sensitive matrices to int4 when even all-int5 is
     over the budget (see quant/allocate.py); with 5 that case raises BudgetError.
+    autocast_dtype: the calibration forward's autocast (bf16 on a GPU, as in training and evaluation).
 
     The model is not modified. After writing, the artifact is read back and checked bit for bit
     against the in-memory quantized tensors, so the reported size is the size of what loads.
@@ -129,7 +130,7 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
         raise ValueError("the model has no nn.Linear modules to quantize")
     timings = {}
     t = time.perf_counter()
-    hessians, n_tokens = collect_hessians(model, plan.linears, calib_batches)
+    hessians, n_tokens = collect_hessians(model, plan.linears, calib_batches, autocast_dtype)
     timings["calib_s"] = time.perf_counter() - t
 
     t = time.perf_counter()

@@ -122,6 +122,24 @@ def test_hessian_hooks_match_manual_xtx_and_are_removed():
     assert not model.a._forward_hooks and not model.b._forward_hooks
 
 
+def test_hessians_under_autocast_see_the_autocast_activations():
+    """With autocast_dtype the hooked inputs are what the autocast forward computes (bf16 here, as the
+    shipped model runs on a GPU), accumulated in fp32."""
+    torch.manual_seed(3)
+    model = TwoLinears()
+    batches = [torch.randint(0, 50, (4, 9))]
+    seen = []
+    model.b.register_forward_hook(lambda m, inp, out: seen.append(inp[0].dtype))
+    h_bf16, _ = collect_hessians(model, {"b.weight": model.b}, batches, autocast_dtype=torch.bfloat16)
+    h_fp32, _ = collect_hessians(model, {"b.weight": model.b}, batches)
+    assert seen == [torch.bfloat16, torch.float32]
+    assert h_bf16["b.weight"].dtype == torch.float32
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        h = torch.relu(model.a(model.embed(batches[0]))).reshape(-1, 24).float()
+    torch.testing.assert_close(h_bf16["b.weight"], h.T @ h / 36)
+    assert not torch.equal(h_bf16["b.weight"], h_fp32["b.weight"])
+
+
 def test_hessians_refuse_uncalibrated_modules_and_empty_input():
     model = TwoLinears()
     with pytest.raises(RuntimeError, match="never ran.*unused.weight"):
