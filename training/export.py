@@ -76,7 +76,8 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
                 t_calib_data = time.perf_counter() - t0
                 report = export_artifact(model, batches, str(artifact_path), meta, budget,
                                          method=cfg.quant.method, log=log, table_patterns=table_patterns(model),
-                                         min_bits=cfg.quant.min_bits)
+                                         min_bits=cfg.quant.min_bits,
+                                         autocast_dtype=torch.bfloat16 if device.type == "cuda" else None)
         except BudgetError as e:  # reported in the final JSON; the run then exits non-zero
             log(f"export failed: {e}")
             report = {"export_error": str(e), "code_bytes": code}
