@@ -9,7 +9,7 @@ from quant.pack import (LAYOUTS, QuantizedTensor, decode_codes, decode_scales, e
 LENGTHS = [0, 1, 2, 3, 5, 7, 8, 9, 15, 16, 17, 63, 64, 65, 127, 1000, 1001, 4099]
 
 
-@pytest.mark.parametrize("width", [5, 6, 8])
+@pytest.mark.parametrize("width", [4, 5, 6, 8])
 @pytest.mark.parametrize("n", LENGTHS)
 def test_pack_bits_round_trip_random(width, n):
     rng = np.random.default_rng(width * 10007 + n)
@@ -19,7 +19,7 @@ def test_pack_bits_round_trip_random(width, n):
     np.testing.assert_array_equal(unpack_bits(packed, width, n), values)
 
 
-@pytest.mark.parametrize("width", [5, 6, 8])
+@pytest.mark.parametrize("width", [4, 5, 6, 8])
 def test_pack_bits_extremes_and_known_bytes(width):
     top = (1 << width) - 1
     for values in (np.full(13, top, np.uint8), np.zeros(13, np.uint8), np.array([top, 0] * 7, np.uint8)):
@@ -44,7 +44,7 @@ def test_pack_bits_rejects_bad_input():
         unpack_bits(b"\x00" * 3, 6, 5)
 
 
-@pytest.mark.parametrize("bits", [5, 6, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_code_layouts_round_trip(bits, layout):
     qmax = qmax_for(bits)
@@ -88,5 +88,6 @@ def test_quantized_tensor_validation_and_dequantize():
         QuantizedTensor(np.array([[16]], np.int8), np.array([1.0], np.float16), 5)
     with pytest.raises(ValueError, match="scales must be float16"):
         QuantizedTensor(np.zeros((2, 2), np.int8), np.ones(2, np.float32), 6)
-    with pytest.raises(ValueError, match="bit width 4"):
-        qmax_for(4)
+    assert [qmax_for(b) for b in (4, 5, 6, 8)] == [7, 15, 31, 127]
+    with pytest.raises(ValueError, match="bit width 3"):
+        qmax_for(3)
