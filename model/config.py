@@ -23,6 +23,7 @@ class ModelConfig:
     n_streams: int = 4                 # mHC residual streams; 1 = plain residual network, no mHC cost
     sinkhorn_iters: int = 20           # Sinkhorn-Knopp rounds for H_res
     mhc_alpha_init: float = 0.01       # initial alpha_pre/post/res
+    mhc_granularity: str = "sublayer"  # sublayer: mHC around attention and MLP; block: around each block (half the traffic)
     rope_base: float = 10000.0
     rope_dims: int = 0                 # partial RoPE: rotate the first rope_dims dims of each head; 0 = all
     logit_softcap: float = 30.0        # tanh softcap on logits; 0 disables
@@ -73,6 +74,9 @@ class ModelConfig:
         if self.bigram_buckets and self.vocab_size > MAX_BIGRAM_VOCAB:
             raise ValueError(f"model.bigram_buckets>0 supports vocab_size <= {MAX_BIGRAM_VOCAB}, got "
                              f"{self.vocab_size} (hint: the bigram key must fit the int64 hash)")
+        if self.mhc_granularity not in ("sublayer", "block"):
+            raise ValueError(f"model.mhc_granularity={self.mhc_granularity!r}: expected 'sublayer' (mHC around "
+                             "every attention and MLP) or 'block' (around each block, half the stream traffic)")
         if self.unet_skips and self.n_layers < 2:
             raise ValueError(f"model.unet_skips needs n_layers >= 2 (got {self.n_layers}): "
                              "one encoder and one decoder block")

@@ -44,7 +44,8 @@ class GPT(nn.Module):
             self.sublayers.append(Sublayer(Attention(cfg, layer), C, scale))
             self.sublayers.append(Sublayer(MLP(cfg), C, scale))
         if n > 1:
-            self.mhc = nn.ModuleList(MHCParams(n, C, cfg.mhc_alpha_init) for _ in self.sublayers)
+            units = cfg.n_layers if cfg.mhc_granularity == "block" else len(self.sublayers)
+            self.mhc = nn.ModuleList(MHCParams(n, C, cfg.mhc_alpha_init) for _ in range(units))
             self.readout = nn.Parameter(torch.full((n,), 1.0 / n))  # head reads Σ_i w_i x_i; starts as the mean
             self.ops = mhc_ops(cfg.mhc_kernels)
         self.final_norm = RMSNorm(C)
@@ -137,19 +138,27 @@ class GPT(nn.Module):
         p0 = self.mhc[0]
         u, h_post, h_res = self.ops.pre(streams, p0.projection(), p0.alpha, p0.bias, it)
         saved: list[torch.Tensor] = []  # U-Net: attention input u of each encoder block (see module doc)
-        last = len(self.sublayers) - 1
-        for l, sub in enumerate(self.sublayers):
-            if self.unet is not None and l % 2 == 0:
-                if self.unet.is_encoder(l // 2):
+        per_block = self.cfg.mhc_granularity == "block"
+        last = len(self.mhc) - 1
+        for l in range(len(self.mhc)):
+            block = l if per_block else l // 2
+            if self.unet is not None and (per_block or l % 2 == 0):
+                if self.unet.is_encoder(block):
                     saved.append(u)
-                u = self.unet.add(u, l // 2, saved)
-            y = sub(u, *self._extra(l, value_embed)).to(dtype)
+                u = self.unet.add(u, block, saved)
+            y = (self._block_delta(block, u, value_embed) if per_block
+                 else self.sublayers[l](u, *self._extra(l, value_embed))).to(dtype)
             if l < last:
                 p = self.mhc[l + 1]
                 streams, u, h_post, h_res = self.ops.post_pre(streams, h_res, h_post, y, p.projection(), p.alpha, p.bias, it)
             else:
                 streams = self.ops.post(streams, h_res, h_post, y)
         return torch.einsum("...nc,n->...c", streams.float(), self.readout.float())
+
+    def _block_delta(self, block: int, u: torch.Tensor, value_embed: torch.Tensor | None) -> torch.Tensor:
+        """What block `block` adds to its input u as a plain pre-norm residual block: A(u) + M(u + A(u))."""
+        a = self.sublayers[2 * block](u, *self._extra(2 * block, value_embed))
+        return a + self.sublayers[2 * block + 1](u + a.to(u.dtype))
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         h = self.final_norm(self.hidden(idx))

@@ -1,7 +1,7 @@
 """Full training-step benchmark: tokens/s, ms/step, MFU and peak memory of the recipe's step.
 
     python scripts/bench_step.py [--config configs/h100_short.toml] [--steps 30] [--warmup 5]
-                                 [--variants n4-kernels,n4-ref,n1-kernels,n1-ref] [override ...]
+                                 [--variants n4-kernels,n4-ref,n1-kernels,n1-ref | all] [override ...]
 
 Each variant builds the config's model with mHC on (n_streams=4) or off (1) and the Triton kernels
 on or off, compiles the step like train.py (train.compile), and times `--steps` optimizer steps on
@@ -30,7 +30,14 @@ VARIANTS = {
     "n4-ref": ["model.n_streams=4", "model.mhc_kernels=false", "model.mlp_kernel=false"],
     "n1-kernels": ["model.n_streams=1", "model.mlp_kernel=true"],
     "n1-ref": ["model.n_streams=1", "model.mlp_kernel=false"],
+    # Cheaper mHC (GUIDE §4 levers): mHC around whole blocks (half the stream traffic), and 2 streams.
+    "n4-block-kernels": ["model.n_streams=4", "model.mhc_granularity=block", "model.mhc_kernels=true",
+                         "model.mlp_kernel=true"],
+    "n2-block-kernels": ["model.n_streams=2", "model.mhc_granularity=block", "model.mhc_kernels=true",
+                         "model.mlp_kernel=true"],
+    "n2-kernels": ["model.n_streams=2", "model.mhc_kernels=true", "model.mlp_kernel=true"],
 }
+DEFAULT_VARIANTS = ("n4-kernels", "n4-ref", "n1-kernels", "n1-ref")
 
 
 class RandomTokens:
@@ -80,10 +87,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--config", default=str(REPO / "configs/h100_short.toml"))
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, or 'all': {list(VARIANTS)}")
     p.add_argument("overrides", nargs="*", help="section.key=value applied to every variant")
     a = p.parse_args(argv)
-    names = a.variants.split(",")
+    names = list(VARIANTS) if a.variants == "all" else a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")

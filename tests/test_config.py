@@ -32,6 +32,7 @@ def test_overrides_apply_after_the_file_with_types():
     ("train.schedule=tokens", "train.schedule"),
     ("quant.method=awq", "quant.method"),
     ("quant.min_bits=3", "quant.min_bits=3: expected 5"),
+    ("model.mhc_granularity=layer", "model.mhc_granularity='layer'"),
     ("model.n_streams=0", "n_streams"),
 ])
 def test_bad_overrides_name_the_field(override, message):

@@ -30,10 +30,10 @@ def randomize_(model: GPT, scale: float = 0.3) -> GPT:
     return model
 
 
-@pytest.mark.parametrize("n_streams", [1, 4])
-def test_causal_including_across_document_boundary(n_streams):
+@pytest.mark.parametrize("n_streams,granularity", [(1, "sublayer"), (4, "sublayer"), (4, "block"), (2, "block")])
+def test_causal_including_across_document_boundary(n_streams, granularity):
     torch.manual_seed(0)
-    model = randomize_(GPT(tiny(n_streams=n_streams))).eval()
+    model = randomize_(GPT(tiny(n_streams=n_streams, mhc_granularity=granularity))).eval()
     idx = torch.randint(4, 64, (1, 24))
     idx[0, 10] = 1  # BOS: a document boundary inside the sequence
     base = model(idx)
@@ -83,11 +83,12 @@ def copy_plain_weights(src: GPT, dst: GPT) -> None:
             dst_params[name].copy_(p)
 
 
+@pytest.mark.parametrize("granularity", ["sublayer", "block"])
 @pytest.mark.parametrize("alpha,tol", [(0.0, 1e-5), (0.01, 5e-2)])
-def test_mhc_network_starts_as_plain_prenorm_residual_network(alpha, tol):
+def test_mhc_network_starts_as_plain_prenorm_residual_network(alpha, tol, granularity):
     torch.manual_seed(0)
     plain = randomize_(GPT(tiny(n_streams=1))).eval()
-    mhc = GPT(tiny(n_streams=4, mhc_alpha_init=alpha)).eval()
+    mhc = GPT(tiny(n_streams=4, mhc_alpha_init=alpha, mhc_granularity=granularity)).eval()
     copy_plain_weights(plain, mhc)
     idx = torch.randint(0, 64, (2, 16))
     ref, out = plain(idx), mhc(idx)
@@ -95,6 +96,29 @@ def test_mhc_network_starts_as_plain_prenorm_residual_network(alpha, tol):
     assert err < tol * ref.abs().max().item(), f"max |Δlogits| = {err}"
     if alpha > 0:
         assert err > 0, "alpha > 0 must give per-token modulation"
+
+
+def test_block_granularity_wraps_whole_blocks():
+    """One set of mHC parameters per block, and the block inside is a plain pre-norm residual block:
+    with identical streams kept identical (alpha 0, H_post = 1), every stream holds the plain network's
+    residual stream after each block, so logits match it while the sublayer granularity (whose streams
+    mix differently once the sublayers are non-trivial) is a different model."""
+    torch.manual_seed(0)
+    block = GPT(tiny(n_streams=4, mhc_granularity="block"))
+    sub = GPT(tiny(n_streams=4))
+    assert len(block.mhc) == block.cfg.n_layers and len(sub.mhc) == 2 * sub.cfg.n_layers
+    with pytest.raises(ValueError, match="mhc_granularity='layer'"):
+        GPT(tiny(mhc_granularity="layer"))
+    plain = randomize_(GPT(tiny(n_streams=1))).eval()
+    copy_plain_weights(plain, block.eval())
+    with torch.no_grad():
+        for p in block.mhc:
+            p.alpha.zero_()
+    idx = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(block(idx), plain(idx), atol=1e-5, rtol=1e-5)
+    randomize_(block)
+    sub.load_state_dict({k: v for k, v in block.state_dict().items() if not k.startswith("mhc.")}, strict=False)
+    assert not torch.allclose(block(idx), sub.eval()(idx), atol=1e-4)
 
 
 def test_single_stream_is_exactly_plain_residual_and_has_no_mhc_parameters():
