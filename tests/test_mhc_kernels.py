@@ -171,8 +171,11 @@ def test_compiles_fullgraph_on_cpu():
 # ---------------------------------------------------------------- GPU, compiled kernels, bf16
 
 # n=8 only through post_pre, which runs every kernel (its register-heavy variants compile slowly).
+# n=8 is marked slow: its backward kernels take ~2 minutes each to compile for sm_90 (measured by
+# cross-compiling with triton 3.9 on a CPU), so `-m "gpu and not slow"` is the quick GPU pass.
 GPU_CASES = [(name, 4, 512, (3, 1000)) for name in ("pre", "post", "post_pre")] + [
-    (name, 2, 320, (777,)) for name in ("pre", "post", "post_pre")] + [("post_pre", 8, 96, (4, 129))]
+    (name, 2, 320, (777,)) for name in ("pre", "post", "post_pre")] + [
+    pytest.param("post_pre", 8, 96, (4, 129), marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("name,n,C,lead", GPU_CASES)
