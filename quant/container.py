@@ -179,8 +179,10 @@ def save_artifact(path: str | os.PathLike, meta: dict, quantized: dict, codec: s
 
 # -- reading ------------------------------------------------------------------------------------------
 
-def load_artifact(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(meta, tensors): float tensors dequantized to fp32, ready for model.load_state_dict."""
+def load_artifact(path: str | os.PathLike, stored: bool = False) -> tuple[dict, dict]:
+    """(meta, tensors): float tensors dequantized to fp32, ready for model.load_state_dict; or with
+    stored=True the values as stored (QuantizedTensor codes + scales, numpy arrays), for tools that
+    study the payload itself (scripts/bench_compress.py --artifact)."""
     with open(path, "rb") as f:
         data = f.read()
     header, payload = _verified_parts(os.fspath(path), data)
@@ -192,7 +194,7 @@ def load_artifact(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor
             raw = decompress(chunk, codec)
             if len(raw) != entry["raw_nbytes"]:
                 raise ValueError(f"decompressed to {len(raw)} bytes, expected {entry['raw_nbytes']}")
-            tensors[entry["name"]] = _decode_entry(entry, raw)
+            tensors[entry["name"]] = _decode_entry(entry, raw, stored)
         except (ValueError, lzma.LZMAError) as exc:
             raise ArtifactError(f"{path}: tensor {entry['name']!r} is invalid: {exc}") from exc
         except Exception as exc:  # brotli.error has no stable import path across versions
@@ -265,15 +267,19 @@ def _expected_raw_nbytes(entry: dict) -> int | None:
     return None
 
 
-def _decode_entry(entry: dict, raw: bytes) -> torch.Tensor:
+def _decode_entry(entry: dict, raw: bytes, stored: bool = False):
     shape = entry["shape"]
     if entry["kind"] == "quant":
         split = entry["scale_offset"]
         codes = decode_codes(raw[:split], entry["bits"], entry["layout"], shape[0] * shape[1])
         scales = decode_scales(raw[split:], shape[0])
-        return QuantizedTensor(codes.reshape(shape), scales, entry["bits"]).dequantize()
+        qt = QuantizedTensor(codes.reshape(shape), scales, entry["bits"])
+        return qt if stored else qt.dequantize()
     array = np.frombuffer(raw, dtype=np.dtype(entry["dtype"]).newbyteorder("<")).reshape(shape)
-    tensor = torch.from_numpy(array.astype(array.dtype.newbyteorder("=")))
+    array = array.astype(array.dtype.newbyteorder("="))
+    if stored:
+        return array
+    tensor = torch.from_numpy(array)
     return tensor.float() if tensor.is_floating_point() else tensor
 
 

@@ -2,12 +2,16 @@
 
     python scripts/bench_compress.py --synthetic                      # random weights, reference size
     python scripts/bench_compress.py --artifact-state weights.npz     # named float weights of a real model
+    python scripts/bench_compress.py --artifact runs/<run_id>.mhcg      # the exact codes a run shipped
 
 The payload is what the container stores: every 2-D tensor quantized per row by round-to-nearest with
 clip search (int5 or int6 for matrices, int8 for tables matching --table-patterns), other tensors as
 fp16. GPTQ needs calibration data this script does not have; its codes follow nearly the same
 distribution, so the byte counts carry over. Random weights are Gaussian, trained weights are
 heavier-tailed and compress better: use --artifact-state for the numbers that matter.
+
+With --artifact the payload is the artifact's own tensors as stored (its GPTQ codes and bit widths,
+width column "mix"), re-encoded in each layout: the codec comparison for what actually ships.
 
 Rows: each compressor on the whole payload (brotli-11, lzma-9e, zstd-22), and "brotli-chunks": the real
 artifact (quant.container.build_artifact: one brotli-11 chunk per tensor, header and hash included).
@@ -26,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quant.container import build_artifact, encode_tensor  # noqa: E402
+from quant.container import ArtifactError, build_artifact, encode_tensor, load_artifact  # noqa: E402
 from quant.gptq import rtn_quantize  # noqa: E402
 from quant.pack import LAYOUTS  # noqa: E402
 
@@ -117,7 +121,8 @@ TABLE_HEADER = (f"{'width':>5} {'layout':<9} {'compressor':<14} {'raw bytes':>12
 
 def format_row(r: dict) -> str:
     """bits/param: compressed bits over all parameters (scales and small tensors included)."""
-    return (f"{'int' + str(r['width']):>5} {r['layout']:<9} {r['compressor']:<14} {r['raw']:>12,} {r['bytes']:>12,} "
+    width = r["width"] if isinstance(r["width"], str) else f"int{r['width']}"
+    return (f"{width:>5} {r['layout']:<9} {r['compressor']:<14} {r['raw']:>12,} {r['bytes']:>12,} "
             f"{r['bytes'] / r['raw']:>6.3f} {8 * r['bytes'] / max(1, r['params']):>10.3f} {r['seconds']:>8.2f}")
 
 
@@ -126,6 +131,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--artifact-state", metavar="STATE.npz", help="named float weights of a trained model")
     src.add_argument("--synthetic", action="store_true", help="random weights of the reference model size")
+    src.add_argument("--artifact", metavar="RUN.mhcg", help="an artifact written by train.py: its codes as shipped")
     p.add_argument("--layers", type=int, default=11, help="synthetic: transformer layers")
     p.add_argument("--d-model", type=int, default=512, help="synthetic: model width")
     p.add_argument("--mlp-mult", type=float, default=3.5, help="synthetic: MLP hidden = mult * d_model")
@@ -149,8 +155,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def load_stored(path: str) -> dict:
+    """The artifact's tensors as stored (codes, scales, arrays); refuses a damaged file by name."""
+    try:
+        return load_artifact(path, stored=True)[1]
+    except (OSError, ArtifactError) as exc:
+        raise SystemExit(f"{path}: cannot read the artifact: {exc}")
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    if args.artifact:
+        stored = load_stored(args.artifact)
+        params = sum(v.codes.size if hasattr(v, "codes") else v.size for v in stored.values())
+        widths = sorted({v.bits for v in stored.values() if hasattr(v, "bits")})
+        print(f"source: {args.artifact} as shipped, {len(stored)} tensors, {params:,} parameters, widths {widths}")
+        print(TABLE_HEADER, flush=True)
+        return bench_rows(stored, "mix", args.layouts, args.compressors, args.threads)
     if args.synthetic:
         state = synthetic_state(args.layers, args.d_model, args.mlp_mult, args.vocab, args.heads, args.kv_heads, args.seed)
         source = f"synthetic {args.layers}x{args.d_model} (Gaussian weights)"

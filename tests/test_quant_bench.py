@@ -65,3 +65,29 @@ def test_bad_inputs(tmp_path):
         bench.main(["--artifact-state", str(bad)])
     with pytest.raises(SystemExit, match="cannot read"):
         bench.main(["--artifact-state", str(tmp_path / "missing.npz")])
+
+
+def test_artifact_as_shipped(tmp_path, capsys):
+    """--artifact benchmarks the exact stored codes (mixed widths), and the 'brotli-chunks' row in the
+    artifact's own layout rebuilds a file of the artifact's size."""
+    import torch
+
+    from quant.container import save_artifact
+    from quant.gptq import rtn_quantize
+    g = torch.Generator().manual_seed(0)
+    quantized = {"a.weight": rtn_quantize(torch.randn(24, 16, generator=g), 5)[0],
+                 "b.weight": rtn_quantize(torch.randn(16, 24, generator=g), 6)[0],
+                 "norm": np.ones(16, np.float32)}
+    meta = {"model_config": {"bench": True}, "tokenizer_sha256": "0" * 64}
+    path = tmp_path / "run.mhcg"
+    written = save_artifact(path, meta, quantized, "brotli", "byte")
+    rows = bench.main(["--artifact", str(path), "--layouts", "byte,dense", "--compressors", "brotli-chunks,lzma",
+                       "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "as shipped, 3 tensors, 784 parameters, widths [5, 6]" in out and "  mix byte" in out
+    assert [(r["layout"], r["compressor"]) for r in rows] == [("byte", "brotli-chunks"), ("byte", "lzma"),
+                                                             ("dense", "brotli-chunks"), ("dense", "lzma")]
+    assert rows[0]["bytes"] == written and rows[0]["matrix_codes"] == 2 * 24 * 16
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(SystemExit, match="run.mhcg: cannot read the artifact"):
+        bench.main(["--artifact", str(path)])
