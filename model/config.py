@@ -37,6 +37,7 @@ class ModelConfig:
     bigram_dim: int = 112              # BigramHash table width (projected to d_model)
     value_embed_layers: int = 0        # value embeddings added to V on the last k layers; 0 disables
     value_embed_dim: int = 128         # shared value-embedding table width (projected to the KV width)
+    attention: str = "auto"            # auto (FlashAttention 3 when installed, on CUDA) | sdpa | fa3
     mhc_kernels: bool = False          # Triton mHC kernels instead of the PyTorch reference
     mlp_kernel: bool = False           # Triton fused LeakyReLU^2 MLP instead of the PyTorch reference
 
@@ -74,6 +75,9 @@ class ModelConfig:
         if self.bigram_buckets and self.vocab_size > MAX_BIGRAM_VOCAB:
             raise ValueError(f"model.bigram_buckets>0 supports vocab_size <= {MAX_BIGRAM_VOCAB}, got "
                              f"{self.vocab_size} (hint: the bigram key must fit the int64 hash)")
+        if self.attention not in ("auto", "sdpa", "fa3"):
+            raise ValueError(f"model.attention={self.attention!r}: expected 'auto' (FlashAttention 3 when "
+                             "importable on CUDA, else SDPA), 'sdpa' or 'fa3'")
         if self.mhc_granularity not in ("sublayer", "block"):
             raise ValueError(f"model.mhc_granularity={self.mhc_granularity!r}: expected 'sublayer' (mHC around "
                              "every attention and MLP) or 'block' (around each block, half the stream traffic)")

@@ -6,6 +6,8 @@ residual wiring (plain or mHC) lives in model/gpt.py.
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -63,6 +65,36 @@ def remove_self_value(y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return yg.reshape(B, H, T, D).to(y.dtype)
 
 
+ATTENTION_BACKENDS = ("auto", "sdpa", "fa3")
+
+
+def load_fa3(backend: str):
+    """FlashAttention 3's `flash_attn_func` (module flash_attn_interface, built from the hopper/ folder of
+    the flash-attention repository) for backends that may use it, else None. Resolved when the layer is
+    built: torch.compile cannot trace an import inside forward."""
+    if backend == "sdpa":
+        return None
+    try:
+        return importlib.import_module("flash_attn_interface").flash_attn_func
+    except ImportError:
+        if backend == "fa3":
+            raise RuntimeError("model.attention='fa3' but flash_attn_interface is not importable (hint: install "
+                               "FlashAttention 3 from the hopper/ folder of flash-attention, or use 'auto' / "
+                               "'sdpa')") from None
+        return None
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fa3=None) -> torch.Tensor:
+    """Causal GQA attention, q [B, H, T, D], k/v [B, H_kv, T, D] -> [B, H, T, D]: FlashAttention 3's
+    `fa3` (which takes [B, T, H, D] and handles GQA itself) when given, else torch's SDPA (flash /
+    cuDNN / efficient kernels as torch picks)."""
+    if fa3 is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    out = fa3(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    out = out[0] if isinstance(out, tuple) else out  # some FA3 versions also return the log-sum-exp
+    return out.transpose(1, 2)
+
+
 class Attention(nn.Module):
     """Causal GQA attention with QK-RMSNorm (learned per-head gain on q) and (partial) RoPE, via SDPA.
 
@@ -75,6 +107,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.rope_base, self.rotary_dims = cfg.rope_base, cfg.rotary_dims
+        # "auto" uses FA3 for bf16/fp16 CUDA tensors when it is installed; "fa3" always; "sdpa" never.
+        self.fa3, self.force_fa3 = load_fa3(cfg.attention), cfg.attention == "fa3"
         self.xsa = layer >= cfg.n_layers - cfg.xsa_layers
         kv_dim = cfg.kv_dim
         self.qkv = nn.Linear(cfg.d_model, cfg.d_model + 2 * kv_dim, bias=False)
@@ -99,7 +133,8 @@ class Attention(nn.Module):
         cos, sin = rotary_cos_sin(T, self.rotary_dims, self.rope_base, u.device)
         q = apply_partial_rotary(q, cos, sin, self.rotary_dims)
         k = apply_partial_rotary(k, cos, sin, self.rotary_dims)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        use_fa3 = self.fa3 is not None and (self.force_fa3 or (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)))
+        y = causal_attention(q, k, v, self.fa3 if use_fa3 else None)
         if self.xsa:
             y = remove_self_value(y, v)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))

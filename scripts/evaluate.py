@@ -32,7 +32,9 @@ from training.evaluate import evaluate_bpb  # noqa: E402
 def load_model(artifact: Path, device: torch.device) -> tuple[GPT, dict]:
     """Rebuild the model from the artifact's own config and dequantized weights (no pickle)."""
     meta, state = load_artifact(artifact)
-    model = GPT(ModelConfig(**meta["model_config"]))
+    # The attention backend computes the same function either way: "auto" lets an artifact trained with
+    # FlashAttention 3 be scored where it is not installed.
+    model = GPT(ModelConfig(**{**meta["model_config"], "attention": "auto"}))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{artifact}: tensors do not match the model config: missing {missing[:5]}, "

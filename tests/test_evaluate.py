@@ -107,3 +107,25 @@ def test_byte_audit_on_real_text_with_the_official_tokenizer():
     lut = build_byte_lut(sp)
     broken = ByteLUT(lut.base_bytes + lut.has_leading_space, lut.has_leading_space, lut.is_boundary)
     assert audit_bytes(tokens, sp, broken)[0] != decoded
+
+
+def test_artifact_trained_with_fa3_loads_where_fa3_is_missing(tmp_path, monkeypatch):
+    """The artifact's model config names the attention backend it trained with; scoring rebuilds the
+    model with 'auto', so an FA3-trained artifact is scored by SDPA where FA3 is not installed."""
+    import dataclasses
+    import sys
+
+    from model.config import ModelConfig
+    from model.gpt import GPT
+    from quant.export import export_artifact
+    from scripts.evaluate import load_model
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # FA3 import fails
+    cfg = ModelConfig(vocab_size=64, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, n_streams=2)
+    model = GPT(cfg)
+    meta = {"model_config": {**dataclasses.asdict(cfg), "attention": "fa3"}, "tokenizer_sha256": "0" * 64}
+    path = tmp_path / "a.mhcg"
+    export_artifact(model, [torch.randint(0, 64, (2, 16))], str(path), meta, 10**7, log=lambda _: None,
+                    table_patterns=("mhc.*.phi",))
+    loaded, loaded_meta = load_model(path, torch.device("cpu"))
+    assert loaded_meta["model_config"]["attention"] == "fa3"
+    assert loaded.cfg.attention == "auto" and all(a.body.fa3 is None for a in loaded.sublayers[::2])
