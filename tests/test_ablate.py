@@ -1,0 +1,61 @@
+"""scripts.ablate: variants checked before any run, scheduled over GPU slots, real tiny CPU runs compared."""
+import json
+
+import pytest
+
+from conftest import REPO, tiny_run_overrides
+from scripts import ablate
+
+CONFIG = str(REPO / "configs/demo.toml")
+
+
+def test_real_variants_run_side_by_side_and_a_failure_is_reported(demo_dir, tmp_path, capsys):
+    common = [o for o in tiny_run_overrides(demo_dir, tmp_path) if not o.startswith("eval.every_steps")]
+    out = tmp_path / "ablate.json"
+    code = ablate.main(["--config", CONFIG, "--gpus", "none", "--parallel", "2", "--prefix", "t", "--out", str(out),
+                        "--variant", "plain=model.n_streams=1",
+                        "--variant", "mhc2=model.n_streams=2 model.mhc_granularity=block",
+                        "--variant", "tiny-cap=model.n_streams=1 quant.cap_bytes=1000", "--", *common])
+    assert code == 1  # the capped variant cannot ship
+    printed = capsys.readouterr().out
+    assert "[plain] " in printed and "[mhc2] " in printed and "| variant | status |" in printed
+    summary = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in summary["runs"]}
+    assert [r["variant"] for r in summary["runs"]] == ["plain", "mhc2", "tiny-cap"]
+    for name in ("plain", "mhc2"):
+        r = rows[name]
+        assert r["status"] == "ok" and r["run_id"] == f"t-{name}" and r["steps"] == 4
+        assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and 0 < r["val_bpb"] < 20
+        assert (tmp_path / "logs" / f"t-{name}.txt").exists()
+    assert rows["tiny-cap"]["status"] == "exit 1" and rows["tiny-cap"]["stdout_tail"]
+    assert summary["common"] == common
+
+
+def test_variants_are_checked_before_anything_runs(monkeypatch):
+    monkeypatch.setattr(ablate, "run_all", lambda *a: pytest.fail("nothing may run"))
+    with pytest.raises(SystemExit, match="variant b: .*model.n_streams"):
+        ablate.main(["--config", CONFIG, "--variant", "a=model.n_streams=1", "--variant", "b=model.n_streams=0"])
+    with pytest.raises(SystemExit, match="must be unique"):
+        ablate.main(["--config", CONFIG, "--variant", "a=", "--variant", "a=model.n_streams=1"])
+    with pytest.raises(SystemExit, match="expected NAME="):
+        ablate.main(["--config", CONFIG, "--variant", "bad name=model.n_streams=1"])
+    with pytest.raises(SystemExit):
+        ablate.main(["--config", CONFIG, "--variant", "a=", "--parallel", "0", "--gpus", "none"])
+
+
+def test_each_gpu_slot_runs_one_variant_at_a_time(monkeypatch):
+    seen, lock = [], __import__("threading").Lock()
+
+    def fake_run(v, command, env, print_lock):
+        with lock:
+            seen.append((v.name, env.get("CUDA_VISIBLE_DEVICES"), command[-1]))
+        v.returncode, v.final = 0, {"fits_cap": True, "steps": 10, "train_time_s": 2.0, "tokens_seen": 1000,
+                                    "val_bpb": 1.5, "pre_quant_val_bpb": 1.4, "total_bytes": 123}
+    monkeypatch.setattr(ablate, "run_variant", fake_run)
+    variants = [ablate.parse_variant(f"v{i}=model.n_layers={i + 1}") for i in range(5)]
+    ablate.run_all(CONFIG, [], variants, ["0", "3"], "p")
+    assert sorted(name for name, _, _ in seen) == [f"v{i}" for i in range(5)]
+    assert {gpu for _, gpu, _ in seen} <= {"0", "3"} and all(cmd.startswith("train.run_id=p-v") for *_, cmd in seen)
+    row = ablate.summary_rows(variants)[0]
+    assert (row["tokens_per_s"], row["ms_per_step"], row["status"]) == (500.0, 200.0, "ok")
+    assert "| v0 | ok | 10 | 500 | 200.0 | 1.4000 | 1.5000 | 123 |" in ablate.format_table([row])
