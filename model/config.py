@@ -23,7 +23,7 @@ class ModelConfig:
     n_streams: int = 4                 # mHC residual streams; 1 = plain residual network, no mHC cost
     sinkhorn_iters: int = 20           # Sinkhorn-Knopp rounds for H_res
     mhc_alpha_init: float = 0.01       # initial alpha_pre/post/res
-    mhc_granularity: str = "sublayer"  # sublayer: mHC around attention and MLP; block: around each block (half the traffic)
+    mhc_granularity: str = "sublayer"  # sublayer: around attention and MLP; block: around each block (half the traffic)
     rope_base: float = 10000.0
     rope_dims: int = 0                 # partial RoPE: rotate the first rope_dims dims of each head; 0 = all
     logit_softcap: float = 30.0        # tanh softcap on logits; 0 disables

@@ -150,7 +150,8 @@ class GPT(nn.Module):
                  else self.sublayers[l](u, *self._extra(l, value_embed))).to(dtype)
             if l < last:
                 p = self.mhc[l + 1]
-                streams, u, h_post, h_res = self.ops.post_pre(streams, h_res, h_post, y, p.projection(), p.alpha, p.bias, it)
+                streams, u, h_post, h_res = self.ops.post_pre(streams, h_res, h_post, y, p.projection(), p.alpha,
+                                                              p.bias, it)
             else:
                 streams = self.ops.post(streams, h_res, h_post, y)
         return torch.einsum("...nc,n->...c", streams.float(), self.readout.float())

@@ -133,7 +133,8 @@ class Attention(nn.Module):
         cos, sin = rotary_cos_sin(T, self.rotary_dims, self.rope_base, u.device)
         q = apply_partial_rotary(q, cos, sin, self.rotary_dims)
         k = apply_partial_rotary(k, cos, sin, self.rotary_dims)
-        use_fa3 = self.fa3 is not None and (self.force_fa3 or (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)))
+        half = q.dtype in (torch.bfloat16, torch.float16)
+        use_fa3 = self.fa3 is not None and (self.force_fa3 or (q.is_cuda and half))
         y = causal_attention(q, k, v, self.fa3 if use_fa3 else None)
         if self.xsa:
             y = remove_self_value(y, v)

@@ -195,6 +195,7 @@ def _log_report(report: dict, log: Callable[[str], None]) -> None:
     if report["n_int4"]:
         log(f"quant: WARNING all-int5 was over the budget: {report['n_int4']} matrices fell back to int4 "
             "(quant.min_bits=4); the quantization gap will be larger than the int5/int6 recipe's")
-    log(f"quant: {report['n_int6']} int6 + {report['n_int5']} int5 + {report['n_int4']} int4 matrices, {len(report['tables_int8'])} int8 tables, "
+    log(f"quant: {report['n_int6']} int6 + {report['n_int5']} int5 + {report['n_int4']} int4 matrices, "
+        f"{len(report['tables_int8'])} int8 tables, "
         f"{len(report['others'])} other tensors; artifact {report['artifact_bytes']} bytes "
         f"(budget {report['budget_bytes']}, {report['codec']}, layout {report['layout']})")

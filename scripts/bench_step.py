@@ -87,7 +87,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--config", default=str(REPO / "configs/h100_short.toml"))
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, or 'all': {list(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated, or 'all': {list(VARIANTS)}")
     p.add_argument("overrides", nargs="*", help="section.key=value applied to every variant")
     a = p.parse_args(argv)
     names = list(VARIANTS) if a.variants == "all" else a.variants.split(",")
