@@ -10,6 +10,8 @@ from dataclasses import dataclass
 # BigramHash keys are prev * (vocab_size + 1) + cur, hashed in int64 without overflow while keys stay
 # below 2**31 (see model/features.py::bigram_bucket).
 MAX_BIGRAM_VOCAB = 46339
+ATTENTION_BACKENDS = ("auto", "sdpa", "fa3")
+MHC_GRANULARITIES = ("sublayer", "block")
 
 
 @dataclass
@@ -75,10 +77,10 @@ class ModelConfig:
         if self.bigram_buckets and self.vocab_size > MAX_BIGRAM_VOCAB:
             raise ValueError(f"model.bigram_buckets>0 supports vocab_size <= {MAX_BIGRAM_VOCAB}, got "
                              f"{self.vocab_size} (hint: the bigram key must fit the int64 hash)")
-        if self.attention not in ("auto", "sdpa", "fa3"):
+        if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"model.attention={self.attention!r}: expected 'auto' (FlashAttention 3 when "
                              "importable on CUDA, else SDPA), 'sdpa' or 'fa3'")
-        if self.mhc_granularity not in ("sublayer", "block"):
+        if self.mhc_granularity not in MHC_GRANULARITIES:
             raise ValueError(f"model.mhc_granularity={self.mhc_granularity!r}: expected 'sublayer' (mHC around "
                              "every attention and MLP) or 'block' (around each block, half the stream traffic)")
         if self.unet_skips and self.n_layers < 2:

@@ -65,9 +65,6 @@ def remove_self_value(y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return yg.reshape(B, H, T, D).to(y.dtype)
 
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "fa3")
-
-
 def load_fa3(backend: str):
     """FlashAttention 3's `flash_attn_func` (module flash_attn_interface, built from the hopper/ folder of
     the flash-attention repository) for backends that may use it, else None. Resolved when the layer is
@@ -96,7 +93,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fa3=None
 
 
 class Attention(nn.Module):
-    """Causal GQA attention with QK-RMSNorm (learned per-head gain on q) and (partial) RoPE, via SDPA.
+    """Causal GQA attention with QK-RMSNorm (learned per-head gain on q) and (partial) RoPE, via SDPA or
+    FlashAttention 3 (model.attention; see causal_attention).
 
     `layer` (the block index) decides the per-layer options: XSA on the last cfg.xsa_layers blocks,
     and on the last cfg.value_embed_layers blocks a zero-initialized projection `value_proj` of the
