@@ -22,7 +22,6 @@ import os
 import queue
 import re
 import shlex
-import subprocess
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from scripts.runlog import write_atomic  # noqa: E402
+from scripts.runlog import stream_run, write_atomic  # noqa: E402
 from training.config import ConfigError, load_config  # noqa: E402
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -79,18 +78,8 @@ def check_configs(config: str, common: list[str], variants: list[Variant]) -> No
 
 def run_variant(v: Variant, command: list[str], env: dict, print_lock: threading.Lock) -> None:
     """Stream the run's stdout with a [name] prefix; its last line is train.py's final JSON."""
-    lines: list[str] = []
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, bufsize=1, env=env) as proc:
-        for line in proc.stdout:
-            with print_lock:
-                print(f"[{v.name}] {line}", end="", flush=True)
-            lines.append(line)
-    v.returncode, v.tail = proc.returncode, lines[-5:]
-    try:
-        last = json.loads(lines[-1]) if lines else None
-        v.final = last if isinstance(last, dict) else None
-    except json.JSONDecodeError:
-        v.final = None
+    v.returncode, lines, v.final = stream_run(command, v.name, env, print_lock)
+    v.tail = lines[-5:]
 
 
 def run_all(config: str, common: list[str], variants: list[Variant], slots: list[str | None], prefix: str) -> None:

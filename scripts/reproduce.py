@@ -17,7 +17,6 @@ import json
 import math
 import re
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,7 @@ if str(REPO) not in sys.path:  # `python scripts/reproduce.py` as well as `pytho
     sys.path.insert(0, str(REPO))
 
 from quant.size import CAP_BYTES  # noqa: E402
-from scripts.runlog import LogFormatError, parse_lines, parse_log, write_atomic  # noqa: E402
+from scripts.runlog import LogFormatError, parse_lines, parse_log, stream_run, write_atomic  # noqa: E402
 from training.config import ConfigError, load_config  # noqa: E402
 
 RECORD_MARGIN_NATS = 0.005   # a new record must beat the best by this much in val_loss ...
@@ -207,19 +206,9 @@ def train_command(config: str, seed: int, run_id: str, overrides: list[str], npr
 
 def run_seed(run: SeedRun) -> SeedRun:
     """Stream the run's stdout (stderr passes straight through); the last line is the final JSON."""
-    lines = []
-    with subprocess.Popen(run.command, stdout=subprocess.PIPE, text=True, bufsize=1) as proc:
-        for line in proc.stdout:
-            print(f"[seed {run.seed}] {line}", end="", flush=True)
-            lines.append(line)
-    run.returncode = proc.returncode
+    run.returncode, lines, run.final = stream_run(run.command, f"seed {run.seed}")
     log = parse_lines(lines[:-1], f"stdout of seed {run.seed}")
     run.versions, run.world_size = log.versions, log.world_size or 1
-    try:
-        last = json.loads(lines[-1]) if lines else None
-        run.final = last if isinstance(last, dict) else None
-    except json.JSONDecodeError:
-        run.final = None
     return run
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,3 +145,22 @@ def write_atomic(path: str | Path, data: bytes) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def stream_run(command: list[str], label: str, env: dict | None = None,
+               print_lock: threading.Lock | None = None) -> tuple[int, list[str], dict | None]:
+    """Run a train.py command, echoing its stdout prefixed with [label] (stderr passes straight
+    through); returns (exit status, stdout lines, the final JSON object of its last line or None)."""
+    lines: list[str] = []
+    lock = print_lock or threading.Lock()
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, bufsize=1, env=env) as proc:
+        for line in proc.stdout:
+            with lock:
+                print(f"[{label}] {line}", end="", flush=True)
+            lines.append(line)
+    try:
+        last = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        last = None
+    return proc.returncode, lines, last if isinstance(last, dict) else None
+

@@ -144,12 +144,17 @@ def test_param_groups_cover_every_parameter_once():
     assert len(groups["matrix"]) == 4 * model.cfg.n_layers
 
 
-def test_gqa_attention_matches_repeated_kv_heads():
+def gqa_layer_and_input() -> tuple[ModelConfig, Attention, torch.Tensor]:
+    """A 4-query / 2-KV-head attention layer with a non-zero output projection, and an input for it."""
     cfg = tiny(n_heads=4, n_kv_heads=2)
     torch.manual_seed(0)
     attn = Attention(cfg)
     nn.init.normal_(attn.proj.weight, std=0.1)
-    u = torch.randn(2, 9, cfg.d_model)
+    return cfg, attn, torch.randn(2, 9, cfg.d_model)
+
+
+def test_gqa_attention_matches_repeated_kv_heads():
+    cfg, attn, u = gqa_layer_and_input()
     out = attn(u)
     # Same attention with each KV head duplicated into a 4-KV-head layer.
     full = Attention(tiny(n_heads=4, n_kv_heads=4))
@@ -180,11 +185,7 @@ class FakeFA3:
 
 def test_attention_backends_agree_and_fa3_is_used_when_asked(monkeypatch):
     import sys
-    cfg = tiny(n_heads=4, n_kv_heads=2)
-    torch.manual_seed(0)
-    attn = Attention(cfg)
-    nn.init.normal_(attn.proj.weight, std=0.1)
-    u = torch.randn(2, 9, cfg.d_model)
+    cfg, attn, u = gqa_layer_and_input()
     sdpa = attn(u)
     monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # import fails
     with pytest.raises(RuntimeError, match="flash_attn_interface is not importable"):
