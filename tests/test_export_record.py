@@ -164,11 +164,15 @@ def test_record_reproduces_the_repository_run_from_an_empty_folder(tiny_seed_run
     assert result.returncode == 0, result.stderr[-3000:]
     final = json.loads(result.stdout.strip().splitlines()[-1])
     again = parse_log(record / "logs" / "again.txt")
-    # CPU training is deterministic: the same code, config and seed give the same numbers bit for bit.
-    for key in ("val_bpb", "val_loss", "pre_quant_val_bpb", "pre_quant_val_loss", "steps", "tokens", "bytes"):
+    # Same code, config and seed: the same counts exactly, and the same losses to float noise. Not bit for bit:
+    # CI once logged 3.1384032 in the repository run and 3.1383987 in the record (1.4e-6 relative) on one
+    # machine, which no local rerun reproduced; a different recipe moves these numbers by far more than 1e-5.
+    for key in ("steps", "tokens", "bytes"):
         assert final[key] == logged.final[key], key
-    assert [s["loss"] for s in again.steps] == [s["loss"] for s in logged.steps]
-    assert [e["val_bpb"] for e in again.evals] == [e["val_bpb"] for e in logged.evals]
+    floats = ("val_bpb", "val_loss", "pre_quant_val_bpb", "pre_quant_val_loss")
+    assert {k: final[k] for k in floats} == pytest.approx({k: logged.final[k] for k in floats}, rel=1e-5)
+    assert [s["loss"] for s in again.steps] == pytest.approx([s["loss"] for s in logged.steps], rel=1e-5)
+    assert [e["val_bpb"] for e in again.evals] == pytest.approx([e["val_bpb"] for e in logged.evals], rel=1e-5)
     assert final["code_bytes"] == (record / "train_gpt.py").stat().st_size
     assert (record / "runs" / "again.mhcg").stat().st_size == final["artifact_bytes"]
 
