@@ -44,6 +44,12 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int) -> torch.Tensor:
     return m
 
 
+def mhc_projection_input(x: torch.Tensor) -> torch.Tensor:
+    """x̃ / rms(x̃) in fp32 [..., n*C]: what phi projects (x̃ is the flattened stream state)."""
+    flat = x.flatten(-2).float()
+    return flat * torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + RMS_EPS)
+
+
 def mhc_coefficients(
     x: torch.Tensor,
     phi: torch.Tensor,
@@ -56,9 +62,7 @@ def mhc_coefficients(
     Returns h_pre [..., n] = sigmoid, h_post [..., n] = 2*sigmoid, h_res [..., n, n] doubly stochastic.
     """
     n = x.shape[-2]
-    flat = x.flatten(-2).float()                                   # [..., n*C]
-    inv_rms = torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + RMS_EPS)
-    raw = (flat @ phi.float()) * inv_rms                           # [..., N]
+    raw = mhc_projection_input(x) @ phi.float()                    # [..., N]
     alpha = alpha.float()
     bias = bias.float()
     h_pre = torch.sigmoid(alpha[0] * raw[..., :n] + bias[:n])

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.mhc_reference import mhc_projection_input
 from model.config import ModelConfig
 from model.features import BigramHash, SmearGate, UNetSkips
 from model.layers import MLP, Attention, RMSNorm, Sublayer
@@ -56,6 +57,10 @@ class GPT(nn.Module):
         self.smear = SmearGate(C) if cfg.smear_gate else None
         self.value_embed = nn.Embedding(cfg.vocab_size, cfg.value_embed_dim) if cfg.value_embed_layers else None
         self.unet = UNetSkips(cfg.n_layers, C) if cfg.unet_skips else None
+        # Set only during quantization calibration: called as observer(name, x) with the input that the
+        # 2-D parameter `name` (out x in) multiplies, for the parameters that are not nn.Linear weights
+        # (mHC phi), so GPTQ gets their Hessians as it does a Linear's from a forward hook.
+        self.quant_observer = None
         self.reset_parameters()
 
     # -- init ---------------------------------------------------------------------------------------
@@ -136,6 +141,7 @@ class GPT(nn.Module):
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         streams = x.to(dtype).unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]).contiguous()
         p0 = self.mhc[0]
+        self._observe_mhc_input(0, streams)
         u, h_post, h_res = self.ops.pre(streams, p0.projection(), p0.alpha, p0.bias, it)
         saved: list[torch.Tensor] = []  # U-Net: attention input u of each encoder block (see module doc)
         per_block = self.cfg.mhc_granularity == "block"
@@ -152,9 +158,14 @@ class GPT(nn.Module):
                 p = self.mhc[l + 1]
                 streams, u, h_post, h_res = self.ops.post_pre(streams, h_res, h_post, y, p.projection(), p.alpha,
                                                               p.bias, it)
+                self._observe_mhc_input(l + 1, streams)  # post_pre returned unit l+1's input with its coefficients
             else:
                 streams = self.ops.post(streams, h_res, h_post, y)
         return torch.einsum("...nc,n->...c", streams.float(), self.readout.float())
+
+    def _observe_mhc_input(self, unit: int, streams: torch.Tensor) -> None:
+        if self.quant_observer is not None:
+            self.quant_observer(f"mhc.{unit}.phi", mhc_projection_input(streams.detach()))
 
     def _block_delta(self, block: int, u: torch.Tensor, value_embed: torch.Tensor | None) -> torch.Tensor:
         """What block `block` adds to its input u as a plain pre-norm residual block: A(u) + M(u + A(u))."""

@@ -12,11 +12,14 @@ from kernels.mhc_reference import mhc_init_bias, mhc_num_coefficients
 
 
 class MHCParams(nn.Module):
-    """phi [n*C, n^2+2n], alpha [3], bias [n^2+2n] for one sublayer (see kernels/mhc_reference.py).
+    """phi [n^2+2n, n*C], alpha [3], bias [n^2+2n] for one mHC unit (see kernels/mhc_reference.py).
 
-    The projection the kernels use is phi / sqrt(n*C) (`projection()`): x̃·that / rms(x̃) is then
-    unit-scale, so alpha sets the size of the per-token modulation around the bias; the bias alone
-    gives the plain-residual start (mhc_init_bias).
+    The projection the kernels take is [n*C, n^2+2n] = (phi / sqrt(n*C))ᵀ (`projection()`): x̃·that /
+    rms(x̃) is then unit-scale, so alpha sets the size of the per-token modulation around the bias;
+    the bias alone gives the plain-residual start (mhc_init_bias). phi is stored out × in, like an
+    nn.Linear weight, so the artifact quantizes it like one: GPTQ with per-row scales (24 rows at
+    n=4), on the Hessian of its input x̃ / rms(x̃) that the model reports to the calibration
+    (GPT.quant_observer).
 
     Why the parameter is stored at unit scale: AdamW moves every element by about lr per step
     whatever its size. Stored at its natural scale 1/sqrt(n*C) (0.022 at n*C = 2048), phi changed by
@@ -28,14 +31,16 @@ class MHCParams(nn.Module):
     def __init__(self, n_streams: int, dim: int, alpha_init: float):
         super().__init__()
         k = n_streams * dim
-        self.phi = nn.Parameter(torch.randn(k, mhc_num_coefficients(n_streams)))
+        # Drawn [in, out] and transposed: the same values as the earlier [n*C, N] layout had, so runs
+        # measured before the change stay comparable seed for seed.
+        self.phi = nn.Parameter(torch.randn(k, mhc_num_coefficients(n_streams)).t().contiguous())
         self.phi_scale = 1.0 / math.sqrt(k)
         self.alpha = nn.Parameter(torch.full((3,), float(alpha_init)))
         self.bias = nn.Parameter(mhc_init_bias(n_streams))
 
     def projection(self) -> torch.Tensor:
-        """The [n*C, n^2+2n] projection the mHC calls take (phi times its fixed scale)."""
-        return self.phi * self.phi_scale
+        """The [n*C, n^2+2n] projection the mHC calls take (phi times its fixed scale, transposed)."""
+        return (self.phi * self.phi_scale).t()
 
 
 def mhc_ops(use_kernels: bool) -> SimpleNamespace:

@@ -12,30 +12,47 @@ import torch.nn as nn
 
 
 class HessianCollector:
-    """Forward hooks on the given nn.Linear modules accumulating XᵀX in fp32 on the model's device.
+    """XᵀX in fp32 on the model's device for the inputs of every given nn.Linear (forward hooks) and of
+    every `observed` 2-D parameter [out, in] that is not a Linear weight (the model reports those
+    inputs itself through its `quant_observer` attribute; see model/gpt.py).
 
-    Memory: one [in, in] fp32 matrix per module (66 modules of in ≤ 1792 is at most 66 × 12.8 MB).
+    Memory: one [in, in] fp32 matrix per matrix (66 modules of in ≤ 1792 is at most 66 × 12.8 MB;
+    22 mHC phi of in = 2048 add 22 × 16.8 MB).
     """
 
-    def __init__(self, modules: dict[str, nn.Linear]):
+    def __init__(self, modules: dict[str, nn.Linear], observed: dict[str, torch.Tensor] | None = None):
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, int] = {}
         self._handles = []
         for name, module in modules.items():
             if not isinstance(module, nn.Linear):
                 raise TypeError(f"{name}: Hessian collection hooks nn.Linear modules, got {type(module).__name__}")
-            w = module.weight
-            self.sums[name] = torch.zeros(w.shape[1], w.shape[1], dtype=torch.float32, device=w.device)
-            self.counts[name] = 0
+            self._track(name, module.weight)
             self._handles.append(module.register_forward_hook(self._hook(name)))
+        for name, weight in (observed or {}).items():
+            if weight.ndim != 2:
+                raise ValueError(f"{name}: an observed matrix must be 2-D [out, in], got shape {tuple(weight.shape)}")
+            self._track(name, weight)
+
+    def _track(self, name: str, weight: torch.Tensor) -> None:
+        self.sums[name] = torch.zeros(weight.shape[1], weight.shape[1], dtype=torch.float32, device=weight.device)
+        self.counts[name] = 0
 
     def _hook(self, name: str):
         def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
-            x = inputs[0].detach()
-            x = x.reshape(-1, x.shape[-1]).float()
-            self.sums[name].addmm_(x.t(), x)
-            self.counts[name] += x.shape[0]
+            self.observe(name, inputs[0])
         return hook
+
+    def observe(self, name: str, x: torch.Tensor) -> None:
+        """Add the rows of x [..., in] to the sums of `name`; names not tracked are ignored."""
+        if name not in self.sums:
+            return
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        if x.shape[1] != self.sums[name].shape[0]:
+            raise ValueError(f"{name}: observed input has {x.shape[1]} features, its matrix takes "
+                             f"{self.sums[name].shape[0]}")
+        self.sums[name].addmm_(x.t(), x)
+        self.counts[name] += x.shape[0]
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -43,28 +60,37 @@ class HessianCollector:
         self._handles.clear()
 
     def hessians(self) -> dict[str, torch.Tensor]:
-        """H = XᵀX / n per module; a module never called is an error (it would get no calibration)."""
+        """H = XᵀX / n per matrix; one never seen is an error (it would get no calibration)."""
         missing = [name for name, n in self.counts.items() if n == 0]
         if missing:
-            raise RuntimeError(f"calibration never ran these nn.Linear modules: {missing[:5]}"
+            raise RuntimeError(f"calibration never saw the inputs of these matrices: {missing[:5]}"
                                f"{' ...' if len(missing) > 5 else ''}; hint: is the model calling them "
-                               "(custom kernels must be switched off for calibration)?")
+                               "(and reporting observed ones through quant_observer)?")
         return {name: s / self.counts[name] for name, s in self.sums.items()}
 
 
 @torch.no_grad()
 def collect_hessians(model: nn.Module, modules: dict[str, nn.Linear], calib_batches: Iterable[torch.Tensor],
-                     autocast_dtype: torch.dtype | None = None) -> tuple[dict[str, torch.Tensor], int]:
+                     autocast_dtype: torch.dtype | None = None, observed: dict[str, torch.Tensor] | None = None,
+                     ) -> tuple[dict[str, torch.Tensor], int]:
     """Run `model(ids)` over every batch with hooks on `modules`; returns (Hessians, tokens seen).
+
+    observed: 2-D parameters (by state_dict name) whose inputs the model reports by calling
+    `model.quant_observer(name, x)`; they get Hessians like the Linears.
 
     autocast_dtype: run the forward under autocast, as training and evaluation do on a GPU (bf16), so
     the Hessians see the activations the shipped model computes; it also reuses the kernels compiled
     for that dtype (an fp32 calibration of the mHC model spent 34 s compiling fp32 Triton variants).
     """
     device = next(model.parameters()).device
-    collector = HessianCollector(modules)
+    collector = HessianCollector(modules, observed)
+    if observed and not hasattr(model, "quant_observer"):
+        raise TypeError(f"{type(model).__name__} has no quant_observer attribute, so the inputs of "
+                        f"{list(observed)[:3]} cannot be observed; hint: quantize them as int8 tables instead")
     was_training, tokens = model.training, 0
     model.eval()
+    if observed:
+        model.quant_observer = collector.observe
     try:
         for ids in calib_batches:
             if ids.ndim != 2 or ids.dtype not in (torch.int32, torch.int64):
@@ -74,6 +100,8 @@ def collect_hessians(model: nn.Module, modules: dict[str, nn.Linear], calib_batc
             tokens += ids.numel()
     finally:
         collector.remove()
+        if observed:
+            model.quant_observer = None
         model.train(was_training)
     if tokens == 0:
         raise ValueError("calibration got no batches; hint: pass a non-empty iterable of [B, T] token ids")

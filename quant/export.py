@@ -3,6 +3,9 @@
 Which tensor gets which treatment (by state_dict name):
   * the weight of every nn.Linear           -> GPTQ (or RTN) int5/int6, per allocate.allocate_bits
                                                (int4 for a few when min_bits=4 and all-int5 is over budget);
+  * 2-D tensors matching `observed_patterns` -> GPTQ (or RTN) at the fixed `observed_bits`, on the Hessian
+    (parameters [out, in] whose inputs the       of the inputs the model reports (mHC phi); they stay out of
+    model reports, see quant/calibrate.py)       the allocation, whose sensitivities are Linear output errors;
   * nn.Embedding weights, and 2-D tensors
     matching one of `table_patterns`        -> int8 per-row scale, round-to-nearest;
   * everything else (norm gains, scalars,
@@ -30,17 +33,20 @@ from quant.pack import QuantizedTensor
 METHODS = ("gptq", "rtn")
 MIN_BITS = (FALLBACK_BITS, LOW_BITS)
 TABLE_BITS = 8
+OBSERVED_BITS = (4, 5, 6, 8)
 FP32_MAX_NUMEL = 64
 
 
 @dataclass
 class TensorPlan:
     linears: dict[str, nn.Linear] = field(default_factory=dict)  # weight name -> module
+    observed: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [out, in] weight
     tables: list[str] = field(default_factory=list)
     others: list[str] = field(default_factory=list)
 
 
-def plan_tensors(model: nn.Module, table_patterns: Iterable[str] = ()) -> TensorPlan:
+def plan_tensors(model: nn.Module, table_patterns: Iterable[str] = (),
+                 observed_patterns: Iterable[str] = ()) -> TensorPlan:
     state = model.state_dict()
     _refuse_aliases(state)
     plan = TensorPlan()
@@ -51,21 +57,26 @@ def plan_tensors(model: nn.Module, table_patterns: Iterable[str] = ()) -> Tensor
             plan.linears[prefix + "weight"] = module
         elif isinstance(module, nn.Embedding):
             embeddings.add(prefix + "weight")
-    patterns = list(table_patterns)
-    used = {p: False for p in patterns}
+    kinds = {**{p: "table" for p in table_patterns}, **{p: "observed" for p in observed_patterns}}
+    used = {p: False for p in kinds}
     for name, tensor in state.items():
         if name in plan.linears:
             continue
-        hits = [p for p in patterns if fnmatch.fnmatchcase(name, p)]
+        hits = [p for p in kinds if fnmatch.fnmatchcase(name, p)]
         for p in hits:
             used[p] = True
             if tensor.ndim != 2:
-                raise ValueError(f"table pattern {p!r} matches {name!r} of shape {tuple(tensor.shape)}; "
-                                 "int8 tables must be 2-D")
-        (plan.tables if name in embeddings or hits else plan.others).append(name)
+                raise ValueError(f"{kinds[p]} pattern {p!r} matches {name!r} of shape {tuple(tensor.shape)}; "
+                                 "quantized matrices must be 2-D")
+        if len({kinds[p] for p in hits}) > 1:
+            raise ValueError(f"{name!r} matches both a table and an observed pattern ({hits}); pick one")
+        if hits and kinds[hits[0]] == "observed":
+            plan.observed[name] = tensor
+        else:
+            (plan.tables if name in embeddings or hits else plan.others).append(name)
     unused = [p for p, hit in used.items() if not hit]
     if unused:
-        raise ValueError(f"table patterns {unused} match no non-Linear tensor; names look like "
+        raise ValueError(f"patterns {unused} match no non-Linear tensor; names look like "
                          f"{list(state)[:3]} (hint: fnmatch syntax, e.g. 'mhc.*.phi')")
     return plan
 
@@ -107,14 +118,31 @@ def quantize_matrices(plan: TensorPlan, hessians: dict[str, torch.Tensor], metho
     return candidates, details
 
 
+def quantize_observed(plan: TensorPlan, hessians: dict[str, torch.Tensor], method: str, bits: int,
+                      ) -> tuple[dict[str, QuantizedTensor], list[dict]]:
+    """The observed matrices at `bits` (GPTQ or RTN, H-weighted clip search), and a log row for each."""
+    quantized, rows = {}, []
+    for name, weight in plan.observed.items():
+        h = hessians[name]
+        w = weight.detach().to(h.device)
+        qt, err = gptq_quantize(w, h, (bits,))[bits] if method == "gptq" else rtn_quantize(w, bits, h)
+        quantized[name] = qt
+        rows.append({"name": name, "bits": bits, "shape": list(w.shape), "err": err,
+                     "trace_h_per_in": float(torch.trace(h)) / h.shape[0]})
+    return quantized, rows
+
+
 def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], path: str, meta: dict,
                     budget_bytes: int, method: str = "gptq", log: Callable[[str], None] = print,
                     table_patterns: Iterable[str] = (), codec: str = "brotli", layout: str = "byte",
-                    min_bits: int = LOW_BITS, autocast_dtype: torch.dtype | None = None) -> dict:
+                    min_bits: int = LOW_BITS, autocast_dtype: torch.dtype | None = None,
+                    observed_patterns: Iterable[str] = (), observed_bits: int = HIGH_BITS) -> dict:
     """Quantize `model` into the artifact at `path` (at most `budget_bytes`); returns the report.
 
     min_bits=4 lets the allocator demote the least sensitive matrices to int4 when even all-int5 is
     over the budget (see quant/allocate.py); with 5 that case raises BudgetError.
+    observed_patterns / observed_bits: non-Linear matrices quantized like Linears at a fixed width,
+    on Hessians from `model.quant_observer` (the mHC phi projections; see model/gpt.py).
     autocast_dtype: the calibration forward's autocast (bf16 on a GPU, as in training and evaluation).
 
     The model is not modified. After writing, the artifact is read back and checked bit for bit
@@ -125,18 +153,21 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
         raise ValueError(f"unknown quantization method {method!r}; expected one of {METHODS}")
     if min_bits not in MIN_BITS:
         raise ValueError(f"min_bits={min_bits}: expected one of {MIN_BITS} (int4 fallback or int5 floor)")
-    plan = plan_tensors(model, table_patterns)
+    if observed_bits not in OBSERVED_BITS:
+        raise ValueError(f"observed_bits={observed_bits}: expected one of {OBSERVED_BITS}")
+    plan = plan_tensors(model, table_patterns, observed_patterns)
     if not plan.linears:
         raise ValueError("the model has no nn.Linear modules to quantize")
     timings = {}
     t = time.perf_counter()
-    hessians, n_tokens = collect_hessians(model, plan.linears, calib_batches, autocast_dtype)
+    hessians, n_tokens = collect_hessians(model, plan.linears, calib_batches, autocast_dtype, plan.observed)
     timings["calib_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
     candidates, details = quantize_matrices(plan, hessians, method, min_bits)
     state = model.state_dict()
-    fixed = {name: rtn_quantize(state[name], TABLE_BITS)[0] for name in plan.tables}
+    fixed, observed_log = quantize_observed(plan, hessians, method, observed_bits)
+    fixed.update({name: rtn_quantize(state[name], TABLE_BITS)[0] for name in plan.tables})
     fixed.update({name: small_tensor(state[name]) for name in plan.others})
     timings["quant_s"] = time.perf_counter() - t
     del hessians
@@ -168,6 +199,7 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
               "n_int6": sum(b == HIGH_BITS for b in bits.values()), "n_int5": sum(b == LOW_BITS for b in bits.values()),
               "n_int4": sum(b == FALLBACK_BITS for b in bits.values()),
               "tables_int8": list(plan.tables), "others": {n: str(fixed[n].dtype) for n in plan.others},
+              "observed": observed_log,
               "matrices": matrices, "probes": probes, **timings}
     _log_report(report, log)
     return report
@@ -192,10 +224,13 @@ def _log_report(report: dict, log: Callable[[str], None]) -> None:
         log(f"quant: rank {row['rank']:>3} int{row['bits']} {row['name']:<44} sens {row['sensitivity']:.3e} "
             + (f"err4 {row['err4']:.3e} " if "err4" in row else "")
             + f"err5 {row['err5']:.3e} err6 {row['err6']:.3e} tr(H)/in {row['trace_h_per_in']:.3e}")
+    for row in report["observed"]:
+        log(f"quant: fixed int{row['bits']} {row['name']:<44} err {row['err']:.3e} "
+            f"tr(H)/in {row['trace_h_per_in']:.3e}")
     if report["n_int4"]:
         log(f"quant: WARNING all-int5 was over the budget: {report['n_int4']} matrices fell back to int4 "
             "(quant.min_bits=4); the quantization gap will be larger than the int5/int6 recipe's")
     log(f"quant: {report['n_int6']} int6 + {report['n_int5']} int5 + {report['n_int4']} int4 matrices, "
-        f"{len(report['tables_int8'])} int8 tables, "
+        f"{len(report['observed'])} observed matrices, {len(report['tables_int8'])} int8 tables, "
         f"{len(report['others'])} other tensors; artifact {report['artifact_bytes']} bytes "
         f"(budget {report['budget_bytes']}, {report['codec']}, layout {report['layout']})")

@@ -125,7 +125,7 @@ def test_artifact_trained_with_fa3_loads_where_fa3_is_missing(tmp_path, monkeypa
     meta = {"model_config": {**dataclasses.asdict(cfg), "attention": "fa3"}, "tokenizer_sha256": "0" * 64}
     path = tmp_path / "a.mhcg"
     export_artifact(model, [torch.randint(0, 64, (2, 16))], str(path), meta, 10**7, log=lambda _: None,
-                    table_patterns=("mhc.*.phi",))
+                    observed_patterns=("mhc.*.phi",))
     loaded, loaded_meta = load_model(path, torch.device("cpu"))
     assert loaded_meta["model_config"]["attention"] == "fa3"
     assert loaded.cfg.attention == "auto" and all(a.body.fa3 is None for a in loaded.sublayers[::2])

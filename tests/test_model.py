@@ -27,7 +27,9 @@ def randomize_(model: GPT, scale: float = 0.3) -> GPT:
                 continue  # keep the structural mHC bias, perturbed below via alpha/phi
             # phi is stored at unit scale and used times phi_scale: perturb what the model computes with.
             unit = model.mhc[0].phi_scale if name.endswith(".phi") else 1.0
-            p.add_(torch.randn(p.shape, generator=g) * scale / unit)
+            # phi's noise is drawn [in, out], the layout phi had when the pinned fingerprints were taken
+            noise = torch.randn(p.shape[::-1], generator=g).t() if name.endswith(".phi") else torch.randn(p.shape, generator=g)
+            p.add_(noise * scale / unit)
     return model
 
 
@@ -217,9 +219,9 @@ def _first_adam_step_logit_change(params: MHCParams, lr: float) -> float:
     """Largest change of the projected logits x̃·projection/rms(x̃) over 64 tokens after one AdamW step
     on phi (Adam's first step moves every element by ~lr, whatever the gradient's size)."""
     torch.manual_seed(3)
-    n_c = params.phi.shape[0]
+    n_coef, n_c = params.phi.shape
     x = torch.randn(64, n_c)
-    target = torch.randn(64, params.phi.shape[1])
+    target = torch.randn(64, n_coef)
 
     def raw():
         return (x @ params.projection()) * torch.rsqrt(x.square().mean(dim=-1, keepdim=True))

@@ -41,7 +41,7 @@ def test_all_options_off_reproduce_the_pre_feature_model(n_streams):
     n_params, init_fp, logits_fp = PRE_FEATURE_MODEL[n_streams]
     assert len(list(model.parameters())) == n_params
     # rel 1e-5 leaves room for another BLAS's orthogonal_ (QR); a changed draw order moves these by O(1).
-    used = [p * model.mhc[0].phi_scale if name.endswith(".phi") else p for name, p in model.named_parameters()]
+    used = [(p * model.mhc[0].phi_scale).t() if name.endswith(".phi") else p for name, p in model.named_parameters()]
     assert fingerprint(torch.cat([p.flatten() for p in used])) == pytest.approx(init_fp, rel=1e-5)
     assert fingerprint(randomize_(model).eval()(tokens())) == pytest.approx(logits_fp, rel=1e-5)
 

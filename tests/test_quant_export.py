@@ -68,8 +68,12 @@ def test_plan_assigns_every_tensor_once(model):
     assert plan_tensors(model).tables == ["embed.weight"] and "mix" in plan_tensors(model).others
     with pytest.raises(ValueError, match=r"\['nope\*'\] match no non-Linear tensor"):
         plan_tensors(model, ["nope*"])
-    with pytest.raises(ValueError, match="int8 tables must be 2-D"):
+    with pytest.raises(ValueError, match="quantized matrices must be 2-D"):
         plan_tensors(model, ["scale"])
+    observed = plan_tensors(model, observed_patterns=["mix"])
+    assert list(observed.observed) == ["mix"] and "mix" not in observed.tables + observed.others
+    with pytest.raises(ValueError, match="both a table and an observed pattern"):
+        plan_tensors(model, ["mix"], ["m*"])
 
 
 @pytest.mark.parametrize("method", ["gptq", "rtn"])

@@ -142,7 +142,7 @@ def test_hessians_under_autocast_see_the_autocast_activations():
 
 def test_hessians_refuse_uncalibrated_modules_and_empty_input():
     model = TwoLinears()
-    with pytest.raises(RuntimeError, match="never ran.*unused.weight"):
+    with pytest.raises(RuntimeError, match="never saw the inputs.*unused.weight"):
         collect_hessians(model, {"unused.weight": model.unused}, [torch.zeros(1, 4, dtype=torch.long)])
     with pytest.raises(ValueError, match="no batches"):
         collect_hessians(model, {"a.weight": model.a}, [])

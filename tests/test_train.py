@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from model.gpt import GPT
+from quant.container import load_artifact
 from training.config import load_config
 from training.optim import build_optimizers
 from training.trainer import grad_accum_steps, train_step
@@ -29,7 +30,8 @@ def tiny_overrides(data: Path, tmp: Path) -> list[str]:
 
 def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path, capsys):
     import train
-    final = train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path)])
+    final = train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
+                        "quant.phi_bits=5"])
     last_line = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last_line) == json.loads(json.dumps(final, sort_keys=True))
     for key in ("val_loss", "val_bpb", "steps", "train_time_s", "artifact_bytes", "code_bytes", "total_bytes", "run_id"):
@@ -37,6 +39,9 @@ def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path,
     assert final["steps"] == 40 and final["run_id"] == "tiny"
     artifact = tmp_path / "runs" / "tiny.mhcg"
     assert final["artifact_bytes"] == artifact.stat().st_size
+    _, stored = load_artifact(str(artifact), stored=True)
+    phis = {name: t.bits for name, t in stored.items() if name.endswith(".phi")}
+    assert len(phis) == 4 and set(phis.values()) == {5}, phis  # quant.phi_bits reached the artifact
     assert final["total_bytes"] == final["artifact_bytes"] + final["code_bytes"] <= 16_000_000
     assert final["source_entropy_bits_per_byte"] > 0
     # The quantized model is scored, and close to the unquantized one at this tiny size.

@@ -64,6 +64,7 @@ class QuantConfig:
     cap_bytes: int = 16_000_000        # artifact + code must fit (decimal bytes)
     margin_bytes: int = 20_000         # safety margin under the cap for the int5/int6 allocation
     min_bits: int = 5                  # 4: if all-int5 is over the cap, demote the least sensitive matrices to int4
+    phi_bits: int = 4                  # mHC phi: GPTQ width on its input's Hessian (4, 5, 6, 8); 4 measured best at a fixed cap
 
 
 @dataclass
@@ -185,6 +186,9 @@ def validate(cfg: Config) -> None:
     if cfg.quant.min_bits not in (4, 5):
         raise ConfigError(f"quant.min_bits={cfg.quant.min_bits}: expected 5 (int5/int6 only) or 4 (int4 fallback "
                           "when all-int5 is over the cap)")
+    if cfg.quant.phi_bits not in (4, 5, 6, 8):
+        raise ConfigError(f"quant.phi_bits={cfg.quant.phi_bits}: expected 4, 5, 6 or 8 (the width of the mHC phi "
+                          "projections)")
     if cfg.quant.calib_source not in ("train", "generated"):
         raise ConfigError(f"quant.calib_source={cfg.quant.calib_source!r}: expected 'train' or 'generated'")
     if t.time_budget_s and cfg.quant.calib_reserve_s >= t.time_budget_s:

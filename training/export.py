@@ -39,9 +39,9 @@ def reference_mlps(model: torch.nn.Module):
             m.use_kernel = s
 
 
-def table_patterns(model) -> tuple[str, ...]:
-    """2-D tensors that are not nn.Linear weights but are big enough to matter: the mHC projections
-    phi (n*C x (n^2+2n), ~1.08M values at the record size) are stored as int8 per-row tables, not fp16."""
+def observed_patterns(model) -> tuple[str, ...]:
+    """The mHC projections phi ([n^2+2n, n*C] each, ~1.08M values at the record size): not nn.Linear
+    weights, so the model reports their inputs (GPT.quant_observer) and they are GPTQ'd at quant.phi_bits."""
     return ("mhc.*.phi",) if any(name.endswith(".phi") for name, _ in model.named_parameters()) else ()
 
 
@@ -75,8 +75,9 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
                 batches = calibration_batches(cfg, model, train_files, device)
                 t_calib_data = time.perf_counter() - t0
                 report = export_artifact(model, batches, str(artifact_path), meta, budget,
-                                         method=cfg.quant.method, log=log, table_patterns=table_patterns(model),
-                                         min_bits=cfg.quant.min_bits,
+                                         method=cfg.quant.method, log=log, min_bits=cfg.quant.min_bits,
+                                         observed_patterns=observed_patterns(model),
+                                         observed_bits=cfg.quant.phi_bits,
                                          autocast_dtype=torch.bfloat16 if device.type == "cuda" else None)
         except BudgetError as e:  # reported in the final JSON; the run then exits non-zero
             log(f"export failed: {e}")

@@ -1,0 +1,153 @@
+"""Re-quantize one trained checkpoint under several [quant] settings and score every artifact.
+
+    python -m scripts.bench_quant --config configs/demo.toml --checkpoint runs/checkpoints/RUN/step_00000500 \\
+        --variant phi8="quant.phi_bits=8" --variant phi5="quant.phi_bits=5" -- [overrides for all]
+
+Training is the expensive part; quantization choices are cheap to compare on the same weights. The
+script loads the checkpoint's weights (its EMA shadow when it has one: what train.py ships) into the
+model of --config, scores the float model once, and then for each variant exports the artifact
+exactly as train.py does (calibration on training tokens, GPTQ, allocation, Brotli, verified write),
+scores it from disk, and prints one table: artifact and total bytes, matrices per width, val_bpb
+after quantization and the gap to the float model. A variant may change only [quant] keys: the
+weights are fixed. Write a checkpoint at the end of a run with train.checkpoint_every=<max_steps>,
+or stop a run with SIGTERM.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from data.loader import load_tokens  # noqa: E402
+from data.shards import list_shards  # noqa: E402
+from data.tokenizer import build_byte_lut, file_sha256  # noqa: E402
+from model.gpt import GPT  # noqa: E402
+from scripts.ablate import parse_variant  # noqa: E402
+from scripts.evaluate import evaluate_artifact  # noqa: E402
+from scripts.runlog import write_atomic  # noqa: E402
+from training.config import ConfigError, load_config, to_dict  # noqa: E402
+from training.evaluate import evaluate_bpb  # noqa: E402
+from training.export import export_model  # noqa: E402
+
+
+def load_weights(checkpoint: Path, model: torch.nn.Module) -> str:
+    """Put the checkpoint's shipped weights into `model`; returns which ones ('ema' or 'model')."""
+    path = checkpoint / "rank0.pt"
+    if not path.is_file():
+        raise SystemExit(f"{checkpoint}: no rank0.pt (hint: pass a step_NNNNNNNN folder written by train.py's "
+                         "checkpointer, e.g. runs/checkpoints/RUN/step_00000500)")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise SystemExit(f"{path}: the weights do not fit the model of --config ({str(e).splitlines()[0]}); "
+                         "hint: pass the run's own config and model overrides") from None
+    if "ema" not in state:
+        return "model"
+    live = model.state_dict()
+    with torch.no_grad():
+        for name, shadow in state["ema"]["shadow"].items():
+            live[name].copy_(shadow)
+    return "ema"
+
+
+def check_variants(config: str, common: list[str], variants) -> dict:
+    """Every variant's config, checked before the first export; only [quant] may differ from the base."""
+    base = to_dict(load_config(config, common))
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"variant names must be unique, got {names}")
+    configs = {}
+    for v in variants:
+        try:
+            cfg = load_config(config, [*common, *v.overrides])
+        except ConfigError as e:
+            raise SystemExit(f"variant {v.name}: {e}") from None
+        changed = [k for k, value in to_dict(cfg).items() if k != "quant" and value != base[k]]
+        if changed:
+            raise SystemExit(f"variant {v.name}: changes [{', '.join(changed)}]; only [quant] keys can vary on "
+                             "fixed weights (hint: put other overrides after --, for every variant)")
+        configs[v.name] = cfg
+    return configs
+
+
+def format_table(rows: list[dict]) -> str:
+    out = ["| variant | artifact bytes | total bytes | int6 / int5 / int4 | phi bits | val_bpb | gap | export s |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['variant']} | {r['artifact_bytes']:,} | {r['total_bytes']:,} | "
+                   f"{r['n_int6']} / {r['n_int5']} / {r['n_int4']} | {r['phi_bits']} | {r['val_bpb']:.4f} | "
+                   f"{r['gap']:+.4f} | {r['export_seconds']:.1f} |")
+    return "\n".join(out)
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    common: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, common = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--checkpoint", required=True, type=Path, help="a step_NNNNNNNN folder of train.py's checkpointer")
+    p.add_argument("--variant", action="append", required=True, metavar='NAME="OVERRIDES"',
+                   help="a named set of quant.key=value overrides (repeat for each variant)")
+    p.add_argument("--keep", type=Path, default=None, help="keep the artifacts here as NAME.mhcg (default: discard)")
+    p.add_argument("--out", default=None, help="write the table as JSON here (atomically)")
+    return p.parse_args(argv), common
+
+
+def main(argv=None) -> int:
+    args, common = parse_args(sys.argv[1:] if argv is None else list(argv))
+    variants = [parse_variant(text) for text in args.variant]
+    configs = check_variants(args.config, common, variants)
+    cfg = load_config(args.config, common)
+    device = torch.device("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu")
+    model = GPT(cfg.model)
+    source = load_weights(args.checkpoint, model)
+    model.to(device)
+    val_tokens = load_tokens(list_shards(cfg.data.val_files))
+    if cfg.eval.max_tokens:
+        val_tokens = val_tokens[:cfg.eval.max_tokens]
+    lut = build_byte_lut(cfg.data.tokenizer)
+    amp = torch.bfloat16 if device.type == "cuda" else None
+    pre = evaluate_bpb(model, val_tokens, lut, context=cfg.eval.context, stride=cfg.eval.stride,
+                       batch_seqs=cfg.eval.batch_seqs, device=device, autocast_dtype=amp)
+    print(f"{args.checkpoint} ({source} weights): float val_bpb {pre['val_bpb']:.4f} on {pre['tokens']:,} tokens")
+    sha = file_sha256(cfg.data.tokenizer)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = args.keep or Path(tmp)
+        for v in variants:
+            vcfg = configs[v.name]
+            artifact = out_dir / f"{v.name}.mhcg"
+            t0 = time.perf_counter()
+            report = export_model(vcfg, model, train_files=list_shards(vcfg.data.train_files), rank=0, world_size=1,
+                                  log=lambda line: None, artifact_path=artifact, tokenizer_sha256=sha, device=device)
+            seconds = time.perf_counter() - t0
+            if "export_error" in report:
+                raise SystemExit(f"variant {v.name}: {report['export_error']}")
+            scored = evaluate_artifact(artifact, val_tokens, lut, vcfg.eval, device=device, tokenizer_sha256=sha)
+            rows.append({"variant": v.name, "overrides": v.overrides, "phi_bits": vcfg.quant.phi_bits,
+                         **{k: report[k] for k in ("n_int6", "n_int5", "n_int4")},
+                         **{k: scored[k] for k in ("artifact_bytes", "total_bytes", "fits_cap", "val_bpb", "val_loss")},
+                         "gap": scored["val_bpb"] - pre["val_bpb"], "export_seconds": seconds})
+            print(f"{v.name}: {rows[-1]['total_bytes']:,} B, val_bpb {rows[-1]['val_bpb']:.4f}", flush=True)
+    print("\n" + format_table(rows))
+    if args.out:
+        write_atomic(args.out, (json.dumps({"config": args.config, "checkpoint": str(args.checkpoint),
+                                            "weights": source, "common": common, "float_val_bpb": pre["val_bpb"],
+                                            "rows": rows}, indent=1) + "\n").encode())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

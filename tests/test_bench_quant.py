@@ -1,0 +1,50 @@
+"""scripts/bench_quant.py: one checkpoint re-quantized under several [quant] settings, each artifact scored."""
+import json
+
+import pytest
+
+from conftest import REPO
+from scripts import bench_quant
+from test_train import tiny_overrides
+
+
+@pytest.fixture(scope="module")
+def checkpoint(demo_dir, tmp_path_factory):
+    import train
+    tmp = tmp_path_factory.mktemp("bq")
+    overrides = [*tiny_overrides(demo_dir, tmp), "train.max_steps=6", "train.checkpoint_every=6"]
+    train.main(["--config", str(REPO / "configs/demo.toml"), *overrides])
+    return tmp / "runs" / "checkpoints" / "tiny" / "step_00000006", overrides
+
+
+def test_variants_share_the_weights_and_differ_in_what_they_ship(checkpoint, tmp_path, capsys):
+    ckpt, overrides = checkpoint
+    out = tmp_path / "bq.json"
+    code = bench_quant.main(["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(ckpt),
+                             "--variant", "phi8=quant.phi_bits=8", "--variant", "phi4=quant.phi_bits=4 quant.method=rtn",
+                             "--keep", str(tmp_path), "--out", str(out), "--", *overrides])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["weights"] == "ema"
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert rows["phi8"]["phi_bits"] == 8 and rows["phi4"]["phi_bits"] == 4
+    assert rows["phi4"]["artifact_bytes"] < rows["phi8"]["artifact_bytes"]
+    for r in rows.values():
+        assert (tmp_path / f"{r['variant']}.mhcg").stat().st_size == r["artifact_bytes"]
+        assert r["gap"] == pytest.approx(r["val_bpb"] - result["float_val_bpb"])
+    table = capsys.readouterr().out
+    assert "| phi8 |" in table and "| phi4 |" in table
+
+
+def test_only_quant_keys_may_vary_and_the_checkpoint_must_exist(checkpoint, tmp_path):
+    ckpt, overrides = checkpoint
+    args = ["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(ckpt)]
+    with pytest.raises(SystemExit, match=r"variant wide: changes \[model\]"):
+        bench_quant.main([*args, "--variant", "wide=model.d_model=64", "--", *overrides])
+    with pytest.raises(SystemExit, match="quant.phi_bits=3"):
+        bench_quant.main([*args, "--variant", "bad=quant.phi_bits=3", "--", *overrides])
+    with pytest.raises(SystemExit, match="no rank0.pt"):
+        bench_quant.main(["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(tmp_path),
+                          "--variant", "a=quant.phi_bits=8", "--", *overrides])
+    with pytest.raises(SystemExit, match="do not fit the model"):
+        bench_quant.main([*args, "--variant", "a=quant.phi_bits=8", "--", *overrides, "model.d_model=64"])
