@@ -108,6 +108,56 @@ def collect_hessians(model: nn.Module, modules: dict[str, nn.Linear], calib_batc
     return collector.hessians(), tokens
 
 
+def collect_output_fisher(model: nn.Module, modules: dict[str, nn.Linear], calib_batches: Iterable[torch.Tensor],
+                          autocast_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Per output unit of every module, the mean over tokens of (d loss / d output)², the loss summed
+    over next-token predictions (so the scale does not depend on the batch size).
+
+    Why: a matrix's quantization error as GPTQ measures it is the mean squared error of its outputs;
+    weighting each output row by how much the loss reacts to it (the diagonal of the empirical Fisher
+    of the outputs) turns that into an estimate of the loss increase, comparable across matrices.
+    The weights' .grad is left as it was found (None).
+    """
+    device = next(model.parameters()).device
+    sums = {name: torch.zeros(m.weight.shape[0], dtype=torch.float32, device=device) for name, m in modules.items()}
+    counts = dict.fromkeys(modules, 0)
+
+    def hook(name):
+        def record(module, grad_input, grad_output):
+            g = grad_output[0].detach().reshape(-1, grad_output[0].shape[-1]).float()
+            sums[name] += g.square().sum(dim=0)
+            counts[name] += g.shape[0]
+        return record
+
+    handles = [m.register_full_backward_hook(hook(name)) for name, m in modules.items()]
+    was_training = model.training
+    model.eval()
+    try:
+        for ids in calib_batches:
+            ids = ids.to(device)
+            if ids.shape[1] < 2:
+                raise ValueError("Fisher weights need sequences of at least 2 tokens (a next-token loss)")
+            hint = (f"{type(model).__name__}(ids, targets) must return the scalar mean loss for Fisher weights; "
+                    "hint: use error_weight='output' with this model")
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                try:
+                    loss = model(ids[:, :-1], ids[:, 1:].long())
+                except TypeError as e:
+                    raise TypeError(f"{hint} ({e})") from None
+            if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
+                raise TypeError(hint)
+            (loss.float() * ids[:, 1:].numel()).backward()
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    missing = [name for name, n in counts.items() if n == 0]
+    if missing:
+        raise RuntimeError(f"no gradient reached the outputs of {missing[:5]}; hint: are they on the loss path?")
+    return {name: sums[name] / counts[name] for name in modules}
+
+
 @torch.no_grad()
 def generate_calibration_tokens(model: nn.Module, n_seqs: int, seq_len: int, bos_id: int = 1,
                                 temperature: float = 0.8, seed: int = 0, batch_size: int = 0) -> torch.Tensor:

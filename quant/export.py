@@ -2,7 +2,9 @@
 
 Which tensor gets which treatment (by state_dict name):
   * the weight of every nn.Linear           -> GPTQ (or RTN) int5/int6, per allocate.allocate_bits
-                                               (int4 for a few when min_bits=4 and all-int5 is over budget);
+                                               (int4 for a few when min_bits=4 and all-int5 is over budget),
+                                               or per allocate.allocate_lagrangian (allocator="lagrangian");
+                                               errors are output MSE, or Fisher-weighted (error_weight="fisher");
   * 2-D tensors matching `observed_patterns` -> GPTQ (or RTN) at the fixed `observed_bits`, on the Hessian
     (parameters [out, in] whose inputs the       of the inputs the model reports (mHC phi); they stay out of
     model reports, see quant/calibrate.py)       the allocation, whose sensitivities are Linear output errors;
@@ -16,6 +18,7 @@ Which tensor gets which treatment (by state_dict name):
 from __future__ import annotations
 
 import fnmatch
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -24,13 +27,15 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from quant.allocate import FALLBACK_BITS, HIGH_BITS, LOW_BITS, allocate_bits, allocation_log
-from quant.calibrate import collect_hessians
+from quant.allocate import FALLBACK_BITS, HIGH_BITS, LOW_BITS, allocate_bits, allocate_lagrangian, allocation_log
+from quant.calibrate import collect_hessians, collect_output_fisher
 from quant.container import ChunkCache, build_artifact, check_meta, dequantize_state, load_artifact, save_artifact
-from quant.gptq import gptq_quantize, rtn_quantize
+from quant.gptq import gptq_quantize, row_errors, rtn_quantize
 from quant.pack import QuantizedTensor
 
 METHODS = ("gptq", "rtn")
+ALLOCATORS = ("rank", "lagrangian")
+ERROR_WEIGHTS = ("output", "fisher")
 MIN_BITS = (FALLBACK_BITS, LOW_BITS)
 TABLE_BITS = 8
 OBSERVED_BITS = (4, 5, 6, 8)
@@ -99,8 +104,10 @@ def small_tensor(tensor: torch.Tensor) -> np.ndarray:
 
 
 def quantize_matrices(plan: TensorPlan, hessians: dict[str, torch.Tensor], method: str, min_bits: int = LOW_BITS,
+                      row_weights: dict[str, torch.Tensor] | None = None,
                       ) -> tuple[dict[str, dict[int, QuantizedTensor]], dict[str, dict]]:
-    """Candidates per matrix for every width from min_bits to int6, and their errors (errB keys)."""
+    """Candidates per matrix for every width from min_bits to int6, and their errors (errB keys):
+    Σ_rows Δw H Δwᵀ, each row times its weight when `row_weights` (per output unit) are given."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization method {method!r}; expected one of {METHODS}")
     widths = tuple(range(min_bits, HIGH_BITS + 1))
@@ -113,8 +120,13 @@ def quantize_matrices(plan: TensorPlan, hessians: dict[str, torch.Tensor], metho
         else:
             results = {b: rtn_quantize(weight, b, h) for b in widths}
         candidates[name] = {b: qt for b, (qt, _) in results.items()}
+        errors = {b: err for b, (_, err) in results.items()}
+        if row_weights is not None:
+            f = row_weights[name].to(h.device)
+            errors = {b: float((row_errors(qt.dequantize().to(h.device) - weight.float(), h) * f).sum())
+                      for b, qt in candidates[name].items()}
         details[name] = {"shape": list(weight.shape), "trace_h_per_in": float(torch.trace(h)) / h.shape[0],
-                         **{f"err{b}": results[b][1] for b in widths}}
+                         **{f"err{b}": errors[b] for b in widths}}
     return candidates, details
 
 
@@ -136,13 +148,19 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
                     budget_bytes: int, method: str = "gptq", log: Callable[[str], None] = print,
                     table_patterns: Iterable[str] = (), codec: str = "brotli", layout: str = "byte",
                     min_bits: int = LOW_BITS, autocast_dtype: torch.dtype | None = None,
-                    observed_patterns: Iterable[str] = (), observed_bits: int = HIGH_BITS) -> dict:
+                    observed_patterns: Iterable[str] = (), observed_bits: int = HIGH_BITS,
+                    allocator: str = "rank", error_weight: str = "output") -> dict:
     """Quantize `model` into the artifact at `path` (at most `budget_bytes`); returns the report.
 
     min_bits=4 lets the allocator demote the least sensitive matrices to int4 when even all-int5 is
     over the budget (see quant/allocate.py); with 5 that case raises BudgetError.
     observed_patterns / observed_bits: non-Linear matrices quantized like Linears at a fixed width,
     on Hessians from `model.quant_observer` (the mHC phi projections; see model/gpt.py).
+    allocator: "rank" (int6 for a sensitivity-ranked prefix; int4 only as the min_bits=4 fallback) or
+    "lagrangian" (every width from min_bits to int6 priced by its own bytes; see quant/allocate.py).
+    error_weight: "output" (the allocators compare output MSE) or "fisher" (each output row's error
+    times the mean squared loss gradient of that output: an estimate of the loss increase; one extra
+    forward and backward over the calibration batches).
     autocast_dtype: the calibration forward's autocast (bf16 on a GPU, as in training and evaluation).
 
     The model is not modified. After writing, the artifact is read back and checked bit for bit
@@ -153,6 +171,10 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
         raise ValueError(f"unknown quantization method {method!r}; expected one of {METHODS}")
     if min_bits not in MIN_BITS:
         raise ValueError(f"min_bits={min_bits}: expected one of {MIN_BITS} (int4 fallback or int5 floor)")
+    if error_weight not in ERROR_WEIGHTS:
+        raise ValueError(f"unknown error_weight {error_weight!r}; expected one of {ERROR_WEIGHTS}")
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"unknown allocator {allocator!r}; expected one of {ALLOCATORS}")
     if observed_bits not in OBSERVED_BITS:
         raise ValueError(f"observed_bits={observed_bits}: expected one of {OBSERVED_BITS}")
     plan = plan_tensors(model, table_patterns, observed_patterns)
@@ -160,11 +182,14 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
         raise ValueError("the model has no nn.Linear modules to quantize")
     timings = {}
     t = time.perf_counter()
+    calib_batches = list(calib_batches)  # read twice with Fisher weights
     hessians, n_tokens = collect_hessians(model, plan.linears, calib_batches, autocast_dtype, plan.observed)
+    fisher = (collect_output_fisher(model, plan.linears, calib_batches, autocast_dtype)
+              if error_weight == "fisher" else None)
     timings["calib_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    candidates, details = quantize_matrices(plan, hessians, method, min_bits)
+    candidates, details = quantize_matrices(plan, hessians, method, min_bits, fisher)
     state = model.state_dict()
     fixed, observed_log = quantize_observed(plan, hessians, method, observed_bits)
     fixed.update({name: rtn_quantize(state[name], TABLE_BITS)[0] for name in plan.tables})
@@ -183,8 +208,15 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     sensitivity = {n: (d["err5"] - d["err6"]) / numel[n] for n, d in details.items()}
     demotion = ({n: (d["err4"] - d["err5"]) / numel[n] for n, d in details.items()}
                 if min_bits == FALLBACK_BITS else None)
-    bits, size, probes = allocate_bits(sensitivity, lambda b: len(build_artifact(meta, compose(b), codec, layout, cache)),
-                                       budget_bytes, demotion)
+    def size_of(bits: dict[str, int]) -> int:
+        return len(build_artifact(meta, compose(bits), codec, layout, cache))
+
+    if allocator == "lagrangian":
+        nbytes = chunk_bytes(candidates, cache, codec, layout)
+        options = {n: {b: (details[n][f"err{b}"], nbytes[n][b]) for b in candidates[n]} for n in candidates}
+        bits, size, probes = allocate_lagrangian(options, size_of, budget_bytes)
+    else:
+        bits, size, probes = allocate_bits(sensitivity, size_of, budget_bytes, demotion)
     timings["alloc_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -194,7 +226,7 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     timings["save_verify_s"] = time.perf_counter() - t
 
     matrices = allocation_log(sensitivity, bits, details)
-    report = {"method": method, "codec": codec, "layout": layout, "calib_tokens": n_tokens,
+    report = {"method": method, "allocator": allocator, "error_weight": error_weight, "codec": codec, "layout": layout, "calib_tokens": n_tokens,
               "artifact_bytes": written, "budget_bytes": budget_bytes,
               "n_int6": sum(b == HIGH_BITS for b in bits.values()), "n_int5": sum(b == LOW_BITS for b in bits.values()),
               "n_int4": sum(b == FALLBACK_BITS for b in bits.values()),
@@ -203,6 +235,18 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
               "matrices": matrices, "probes": probes, **timings}
     _log_report(report, log)
     return report
+
+
+def chunk_bytes(candidates: dict[str, dict[int, QuantizedTensor]], cache: ChunkCache, codec: str, layout: str,
+                ) -> dict[str, dict[int, int]]:
+    """Compressed bytes of every candidate's own chunk (all compressed at once, in parallel, and cached
+    for the artifacts the allocator then builds)."""
+    items = [(name, qt) for name, by_bits in candidates.items() for qt in by_bits.values()]
+    chunks = cache.get(items, codec, layout, os.cpu_count() or 1)
+    out: dict[str, dict[int, int]] = {}
+    for (name, qt), (_, chunk) in zip(items, chunks):
+        out.setdefault(name, {})[qt.bits] = len(chunk)
+    return out
 
 
 def _verify_round_trip(path: str, quantized: dict, written: int, measured: int) -> None:
@@ -219,7 +263,7 @@ def _verify_round_trip(path: str, quantized: dict, written: int, measured: int) 
 def _log_report(report: dict, log: Callable[[str], None]) -> None:
     log(f"quant: {report['method']} calibration {report['calib_tokens']} tokens in {report['calib_s']:.1f}s, "
         f"quantization {report['quant_s']:.1f}s, allocation {report['alloc_s']:.1f}s "
-        f"({len(report['probes'])} artifacts built), save+verify {report['save_verify_s']:.1f}s")
+        f"({report['allocator']}, {len(report['probes'])} artifacts built), save+verify {report['save_verify_s']:.1f}s")
     for row in report["matrices"]:
         log(f"quant: rank {row['rank']:>3} int{row['bits']} {row['name']:<44} sens {row['sensitivity']:.3e} "
             + (f"err4 {row['err4']:.3e} " if "err4" in row else "")
@@ -227,7 +271,7 @@ def _log_report(report: dict, log: Callable[[str], None]) -> None:
     for row in report["observed"]:
         log(f"quant: fixed int{row['bits']} {row['name']:<44} err {row['err']:.3e} "
             f"tr(H)/in {row['trace_h_per_in']:.3e}")
-    if report["n_int4"]:
+    if report["n_int4"] and report["allocator"] == "rank":
         log(f"quant: WARNING all-int5 was over the budget: {report['n_int4']} matrices fell back to int4 "
             "(quant.min_bits=4); the quantization gap will be larger than the int5/int6 recipe's")
     log(f"quant: {report['n_int6']} int6 + {report['n_int5']} int5 + {report['n_int4']} int4 matrices, "

@@ -21,13 +21,14 @@ def test_variants_share_the_weights_and_differ_in_what_they_ship(checkpoint, tmp
     ckpt, overrides = checkpoint
     out = tmp_path / "bq.json"
     code = bench_quant.main(["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(ckpt),
-                             "--variant", "phi8=quant.phi_bits=8", "--variant", "phi4=quant.phi_bits=4 quant.method=rtn",
+                             "--variant", "phi8=quant.phi_bits=8", "--variant", "phi4=quant.phi_bits=4 quant.method=rtn quant.allocator=lagrangian quant.error_weight=fisher",
                              "--keep", str(tmp_path), "--out", str(out), "--", *overrides])
     assert code == 0
     result = json.loads(out.read_text())
     assert result["weights"] == "ema"
     rows = {r["variant"]: r for r in result["rows"]}
     assert rows["phi8"]["phi_bits"] == 8 and rows["phi4"]["phi_bits"] == 4
+    assert rows["phi8"]["allocator"] == "rank" and rows["phi4"]["allocator"] == "lagrangian"
     assert rows["phi4"]["artifact_bytes"] < rows["phi8"]["artifact_bytes"]
     for r in rows.values():
         assert (tmp_path / f"{r['variant']}.mhcg").stat().st_size == r["artifact_bytes"]

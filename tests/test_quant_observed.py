@@ -100,3 +100,4 @@ def test_observed_matrices_need_an_observer_and_a_known_width(tmp_path):
         export_artifact(mhc_model(), batches(), str(tmp_path / "m.mhcg"), META, 10**7, log=lambda _: None,
                         observed_patterns=("mhc.*.phi",), observed_bits=7)
     assert not (tmp_path / "t.mhcg").exists() and not (tmp_path / "m.mhcg").exists()
+

@@ -64,6 +64,8 @@ class QuantConfig:
     cap_bytes: int = 16_000_000        # artifact + code must fit (decimal bytes)
     margin_bytes: int = 20_000         # safety margin under the cap for the int5/int6 allocation
     min_bits: int = 5                  # 4: if all-int5 is over the cap, demote the least sensitive matrices to int4
+    allocator: str = "rank"            # rank: int6 for the most sensitive prefix | lagrangian: widths priced by bytes
+    error_weight: str = "output"       # what the allocator compares: output (layer output MSE) | fisher (× loss gradient²)
     phi_bits: int = 4                  # mHC phi: GPTQ width on its input's Hessian (4, 5, 6, 8); 4 measured best at a fixed cap
 
 
@@ -186,6 +188,10 @@ def validate(cfg: Config) -> None:
     if cfg.quant.min_bits not in (4, 5):
         raise ConfigError(f"quant.min_bits={cfg.quant.min_bits}: expected 5 (int5/int6 only) or 4 (int4 fallback "
                           "when all-int5 is over the cap)")
+    if cfg.quant.allocator not in ("rank", "lagrangian"):
+        raise ConfigError(f"quant.allocator={cfg.quant.allocator!r}: expected 'rank' or 'lagrangian'")
+    if cfg.quant.error_weight not in ("output", "fisher"):
+        raise ConfigError(f"quant.error_weight={cfg.quant.error_weight!r}: expected 'output' or 'fisher'")
     if cfg.quant.phi_bits not in (4, 5, 6, 8):
         raise ConfigError(f"quant.phi_bits={cfg.quant.phi_bits}: expected 4, 5, 6 or 8 (the width of the mHC phi "
                           "projections)")

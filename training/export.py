@@ -77,7 +77,8 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
                 report = export_artifact(model, batches, str(artifact_path), meta, budget,
                                          method=cfg.quant.method, log=log, min_bits=cfg.quant.min_bits,
                                          observed_patterns=observed_patterns(model),
-                                         observed_bits=cfg.quant.phi_bits,
+                                         observed_bits=cfg.quant.phi_bits, allocator=cfg.quant.allocator,
+                                         error_weight=cfg.quant.error_weight,
                                          autocast_dtype=torch.bfloat16 if device.type == "cuda" else None)
         except BudgetError as e:  # reported in the final JSON; the run then exits non-zero
             log(f"export failed: {e}")

@@ -1,0 +1,92 @@
+"""Lagrangian bit allocation: hull paths, optimality for the bytes it uses, real sizes, end to end."""
+import itertools
+import random
+
+import pytest
+import torch
+
+from quant.allocate import BudgetError, allocate_lagrangian, hull_path
+from quant.container import load_artifact
+from test_quant_export import run_export
+
+
+def test_hull_path_drops_dominated_and_non_convex_widths():
+    assert hull_path({4: (10.0, 100), 5: (4.0, 150), 6: (1.0, 200)}) == [6, 5, 4]
+    assert hull_path({4: (10.0, 100), 5: (8.0, 150), 6: (1.0, 200)}) == [6, 4]     # 5 above the 4-6 chord
+    assert hull_path({4: (10.0, 100), 5: (4.0, 150), 6: (5.0, 200)}) == [5, 4]     # 6: more bytes, more error
+    assert hull_path({4: (10.0, 100), 5: (4.0, 100), 6: (1.0, 200)}) == [6, 5]     # 4: same bytes as 5, worse
+    assert hull_path({5: (4.0, 150)}) == [5]
+
+
+def random_options(rng: random.Random, n: int) -> dict:
+    out = {}
+    for i in range(n):
+        numel, sens = rng.randint(50, 400), 10 ** rng.uniform(-3, 1)
+        out[f"m{i}"] = {b: (sens * numel * 4.0 ** -b * rng.uniform(0.7, 1.3), int(numel * (b - rng.uniform(1.0, 1.8))))
+                        for b in (4, 5, 6)}
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_solution_has_the_least_error_of_all_that_use_no_more_bytes(seed):
+    """Brute force over every assignment of 6 matrices (3^6): nothing within the bytes the allocator
+    used has less error, and the allocator never goes over its budget."""
+    rng = random.Random(seed)
+    options = random_options(rng, 6)
+    header = 37
+
+    def size_of(bits):
+        return header + sum(options[n][b][1] for n, b in bits.items())
+
+    names = sorted(options)
+    everything = [dict(zip(names, combo)) for combo in itertools.product((4, 5, 6), repeat=len(names))]
+    low, high = min(map(size_of, everything)), max(map(size_of, everything))
+    for budget in (low, (low + high) // 2, low + (high - low) // 5, high):
+        bits, size, probes = allocate_lagrangian(options, size_of, budget)
+        error = sum(options[n][b][0] for n, b in bits.items())
+        assert size == size_of(bits) <= budget and probes[-1]["fits"]
+        best = min(sum(options[n][b][0] for n, b in a.items()) for a in everything if size_of(a) <= size)
+        assert error == pytest.approx(best, rel=1e-12)
+
+
+def test_walk_goes_on_while_the_measured_size_is_over():
+    """Chunk bytes promise a fit that the real artifact (here 5 bytes of header per int6) misses."""
+    options = {f"m{i}": {5: (2.0 + i, 100), 6: (1.0, 150)} for i in range(3)}
+
+    def size_of(bits):
+        return sum(options[n][b][1] + (5 if b == 6 else 0) for n, b in bits.items())
+
+    bits, size, probes = allocate_lagrangian(options, size_of, 400)
+    assert size <= 400 and sum(b == 6 for b in bits.values()) == 1 and bits["m2"] == 6
+    assert [p["fits"] for p in probes][-1] and not probes[0]["fits"]
+
+
+def test_budget_error_when_even_the_narrowest_is_over():
+    options = {"a": {4: (3.0, 100), 5: (1.0, 120)}}
+    with pytest.raises(BudgetError, match="over the budget of 50 bytes by 50"):
+        allocate_lagrangian(options, lambda bits: sum(options[n][b][1] for n, b in bits.items()), 50)
+    with pytest.raises(ValueError, match="no matrices"):
+        allocate_lagrangian({}, lambda bits: 0, 10)
+
+
+def test_export_with_the_lagrangian_allocator_fits_and_beats_the_ranking(tmp_path):
+    """A budget where the ranking must leave everything int5 with a few int4: the Lagrangian walk
+    spends the same bytes for less total error."""
+    from test_quant_export import TinyGPT
+    torch.manual_seed(0)
+    model = TinyGPT(d=48)
+    loose, _ = run_export(model, tmp_path / "loose.art", 10**7, min_bits=4)
+    sizes = {p["n_int6"]: p["artifact_bytes"] for p in loose["probes"]}
+    reports = {}
+    for allocator in ("rank", "lagrangian"):
+        budget = sizes[0] - 150  # all-int5 is just over: the ranking falls back to int4
+        reports[allocator], lines = run_export(model, tmp_path / f"{allocator}.art", budget, min_bits=4,
+                                               allocator=allocator)
+        assert reports[allocator]["artifact_bytes"] <= budget and reports[allocator]["allocator"] == allocator
+        load_artifact(str(tmp_path / f"{allocator}.art"))
+
+    def total_error(report):
+        return sum(row[f"err{row['bits']}"] for row in report["matrices"])
+    assert total_error(reports["lagrangian"]) < total_error(reports["rank"])
+    with pytest.raises(ValueError, match="unknown allocator 'greedy'"):
+        run_export(model, tmp_path / "x.art", 10**7, allocator="greedy")
