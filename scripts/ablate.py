@@ -139,11 +139,16 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def split_common(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the script's own arguments, the overrides after `--` that every variant shares)."""
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    common: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, common = argv[:i], argv[i + 1:]
+    argv, common = split_common(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
     p.add_argument("--variant", action="append", required=True, metavar='NAME="OVERRIDES"',

@@ -31,7 +31,7 @@ from data.loader import load_tokens  # noqa: E402
 from data.shards import list_shards  # noqa: E402
 from data.tokenizer import build_byte_lut, file_sha256  # noqa: E402
 from model.gpt import GPT  # noqa: E402
-from scripts.ablate import parse_variant  # noqa: E402
+from scripts.ablate import parse_variant, split_common  # noqa: E402
 from scripts.evaluate import evaluate_artifact  # noqa: E402
 from scripts.runlog import write_atomic  # noqa: E402
 from training.config import ConfigError, load_config, to_dict  # noqa: E402
@@ -91,10 +91,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    common: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, common = argv[:i], argv[i + 1:]
+    argv, common = split_common(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
     p.add_argument("--checkpoint", required=True, type=Path, help="a step_NNNNNNNN folder of train.py's checkpointer")
