@@ -3,9 +3,11 @@
 Layout (all integers little-endian):
     magic        8 bytes  b"MHCGOLF\\x00"
     version      u32      FORMAT_VERSION
-    header_len   u32      bytes of the JSON header
+    header_len   u32      bytes of the compressed header
     payload_len  u64      bytes of the payload
-    header       JSON (UTF-8): {"codec", "meta", "tensors": [entry, ...]}
+    header       JSON (UTF-8): {"codec", "meta", "tensors": [entry, ...]}, xz-compressed (lzma: the
+                 standard library reads it whatever the payload codec; 8,277 -> 1,204 bytes for a
+                 demo model's 55 tensors, and the header grows with the tensor count)
     payload      one independently compressed chunk per tensor, in table order, back to back
     sha256       32 bytes over everything above
 Entry: name, shape, offset/nbytes (the chunk in the payload), raw_nbytes (decompressed) and either
@@ -37,11 +39,12 @@ from quant.pack import LAYOUTS, WIDTHS, QuantizedTensor, decode_codes, decode_sc
     encode_scales, encoded_codes_size
 
 MAGIC = b"MHCGOLF\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: compressed header
 CODECS = ("brotli", "lzma")
 ARRAY_DTYPES = ("float16", "float32", "int32", "int64", "bool")
 _PREFIX = struct.Struct("<8sIIQ")
 _HASH_LEN = 32
+MAX_HEADER_BYTES = 16 << 20  # a decompressed header larger than this is refused (a forged file cannot balloon)
 
 
 class ArtifactError(ValueError):
@@ -144,8 +147,9 @@ def build_artifact(meta: dict, quantized: dict, codec: str = "brotli", layout: s
         entries.append({**entry, "offset": offset, "nbytes": len(chunk)})
         offset += len(chunk)
     try:
-        header = json.dumps({"codec": codec, "meta": meta, "tensors": entries},
-                            separators=(",", ":"), allow_nan=False).encode()
+        header = lzma.compress(json.dumps({"codec": codec, "meta": meta, "tensors": entries},
+                                          separators=(",", ":"), allow_nan=False).encode(),
+                               preset=9 | lzma.PRESET_EXTREME)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"artifact meta is not plain JSON (dicts, lists, str, finite numbers): {exc}") from exc
     body = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header), offset) + header + b"".join(c for _, c in chunks)
@@ -220,12 +224,24 @@ def _verified_parts(path: str, data: bytes) -> tuple[dict, bytes]:
         raise ArtifactError(f"{path}: integrity check failed: sha256 of header+payload is {actual.hex()}, "
                             f"the file records {digest.hex()} (corrupted file)")
     try:
-        header = json.loads(body[_PREFIX.size:_PREFIX.size + header_len].decode())
+        header = json.loads(_decompress_header(path, body[_PREFIX.size:_PREFIX.size + header_len]).decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ArtifactError(f"{path}: header is not valid JSON: {exc}") from exc
     payload = body[_PREFIX.size + header_len:]
     _check_header(path, header, len(payload))
     return header, payload
+
+
+def _decompress_header(path: str, raw: bytes) -> bytes:
+    decompressor = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+    try:
+        text = decompressor.decompress(raw, max_length=MAX_HEADER_BYTES)
+    except lzma.LZMAError as exc:
+        raise ArtifactError(f"{path}: the header does not decompress (xz): {exc}") from exc
+    if not decompressor.eof or decompressor.unused_data:
+        raise ArtifactError(f"{path}: the header is cut short, followed by stray bytes, or decompresses to more "
+                            f"than {MAX_HEADER_BYTES} bytes")
+    return text
 
 
 def _check_header(path: str, header, payload_len: int) -> None:

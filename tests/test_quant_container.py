@@ -1,6 +1,7 @@
 """Artifact container: bit-exact round trip, integrity checks, atomic writes, no pickle."""
 import ast
 import hashlib
+import lzma
 import struct
 from pathlib import Path
 
@@ -138,13 +139,19 @@ def test_consistently_tampered_header_is_refused(tmp_path, tiny):
     header = good[24:24 + header_len]
     payload = good[24 + header_len:-32]
 
-    def forged(new_header: bytes, new_payload: bytes = payload) -> bytes:
+    header = lzma.decompress(header)
+
+    def forged(new_header: bytes, new_payload: bytes = payload, pack=lzma.compress) -> bytes:
+        new_header = pack(new_header)
         return rehash(good[:8] + struct.pack("<IIQ", FORMAT_VERSION, len(new_header), len(new_payload))
                       + new_header + new_payload)
 
     cases = {
         "shape.art": (forged(header.replace(b'"shape":[33,16]', b'"shape":[34,16]')), "inconsistent"),
         "json.art": (forged(header[:-1] + b"?"), "header is not valid JSON"),
+        "raw.art": (forged(header, pack=lambda h: h), r"header does not decompress \(xz\)"),
+        "cut.art": (forged(header, pack=lambda h: lzma.compress(h)[:-20]), "header is cut short"),
+        "huge.art": (forged(b" " * (17 << 20) + header), "decompresses to more than"),
         "extra.art": (forged(header, payload + b"\x00"), r"chunks cover \d+ bytes but the payload has"),
         "codec.art": (forged(header.replace(b'"codec":"brotli"', b'"codec":"pickle"')), "codec in"),
         "chunk.art": (forged(header, flip(payload, 10)), "tensor 'embed.weight'"),
