@@ -37,7 +37,7 @@ METHODS = ("gptq", "rtn")
 ALLOCATORS = ("rank", "lagrangian")
 ERROR_WEIGHTS = ("output", "fisher")
 MIN_BITS = (FALLBACK_BITS, LOW_BITS)
-TABLE_BITS = 8
+TABLE_BITS = (5, 6, 8)  # embedding tables: round-to-nearest per row at one of these widths
 OBSERVED_BITS = (4, 5, 6, 8)
 FP32_MAX_NUMEL = 64
 
@@ -149,11 +149,12 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
                     table_patterns: Iterable[str] = (), codec: str = "brotli", layout: str = "byte",
                     min_bits: int = LOW_BITS, autocast_dtype: torch.dtype | None = None,
                     observed_patterns: Iterable[str] = (), observed_bits: int = HIGH_BITS,
-                    allocator: str = "rank", error_weight: str = "output") -> dict:
+                    allocator: str = "rank", error_weight: str = "output", table_bits: int = 8) -> dict:
     """Quantize `model` into the artifact at `path` (at most `budget_bytes`); returns the report.
 
     min_bits=4 lets the allocator demote the least sensitive matrices to int4 when even all-int5 is
     over the budget (see quant/allocate.py); with 5 that case raises BudgetError.
+    table_bits: width of the embedding tables (and `table_patterns` matches), round-to-nearest per row.
     observed_patterns / observed_bits: non-Linear matrices quantized like Linears at a fixed width,
     on Hessians from `model.quant_observer` (the mHC phi projections; see model/gpt.py).
     allocator: "rank" (int6 for a sensitivity-ranked prefix; int4 only as the min_bits=4 fallback) or
@@ -171,6 +172,8 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
         raise ValueError(f"unknown quantization method {method!r}; expected one of {METHODS}")
     if min_bits not in MIN_BITS:
         raise ValueError(f"min_bits={min_bits}: expected one of {MIN_BITS} (int4 fallback or int5 floor)")
+    if table_bits not in TABLE_BITS:
+        raise ValueError(f"table_bits={table_bits}: expected one of {TABLE_BITS}")
     if error_weight not in ERROR_WEIGHTS:
         raise ValueError(f"unknown error_weight {error_weight!r}; expected one of {ERROR_WEIGHTS}")
     if allocator not in ALLOCATORS:
@@ -192,7 +195,7 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     candidates, details = quantize_matrices(plan, hessians, method, min_bits, fisher)
     state = model.state_dict()
     fixed, observed_log = quantize_observed(plan, hessians, method, observed_bits)
-    fixed.update({name: rtn_quantize(state[name], TABLE_BITS)[0] for name in plan.tables})
+    fixed.update({name: rtn_quantize(state[name], table_bits)[0] for name in plan.tables})
     fixed.update({name: small_tensor(state[name]) for name in plan.others})
     timings["quant_s"] = time.perf_counter() - t
     del hessians
@@ -230,7 +233,7 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
               "artifact_bytes": written, "budget_bytes": budget_bytes,
               "n_int6": sum(b == HIGH_BITS for b in bits.values()), "n_int5": sum(b == LOW_BITS for b in bits.values()),
               "n_int4": sum(b == FALLBACK_BITS for b in bits.values()),
-              "tables_int8": list(plan.tables), "others": {n: str(fixed[n].dtype) for n in plan.others},
+              "tables": list(plan.tables), "table_bits": table_bits, "others": {n: str(fixed[n].dtype) for n in plan.others},
               "observed": observed_log,
               "matrices": matrices, "probes": probes, **timings}
     _log_report(report, log)
@@ -275,6 +278,6 @@ def _log_report(report: dict, log: Callable[[str], None]) -> None:
         log(f"quant: WARNING all-int5 was over the budget: {report['n_int4']} matrices fell back to int4 "
             "(quant.min_bits=4); the quantization gap will be larger than the int5/int6 recipe's")
     log(f"quant: {report['n_int6']} int6 + {report['n_int5']} int5 + {report['n_int4']} int4 matrices, "
-        f"{len(report['observed'])} observed matrices, {len(report['tables_int8'])} int8 tables, "
+        f"{len(report['observed'])} observed matrices, {len(report['tables'])} int{report['table_bits']} tables, "
         f"{len(report['others'])} other tensors; artifact {report['artifact_bytes']} bytes "
         f"(budget {report['budget_bytes']}, {report['codec']}, layout {report['layout']})")

@@ -33,6 +33,7 @@ def test_overrides_apply_after_the_file_with_types():
     ("quant.method=awq", "quant.method"),
     ("quant.min_bits=3", "quant.min_bits=3: expected 5"),
     ("quant.phi_bits=7", "quant.phi_bits=7: expected 4, 5, 6 or 8"),
+    ("quant.table_bits=4", "quant.table_bits=4: expected 5, 6 or 8"),
     ("quant.allocator=greedy", "quant.allocator='greedy': expected 'rank' or 'lagrangian'"),
     ("quant.error_weight=loss", "quant.error_weight='loss': expected 'output' or 'fisher'"),
     ("model.mhc_granularity=layer", "model.mhc_granularity='layer'"),

@@ -103,7 +103,7 @@ def test_export_fits_budget_loads_back_and_logs_every_matrix(tmp_path, model, me
         assert report[key] >= 0
 
     # Treatment: tables int8 (per-row dequantized values), small tensors fp32/fp16 as documented.
-    assert sorted(report["tables_int8"]) == ["embed.weight", "mix"]
+    assert sorted(report["tables"]) == ["embed.weight", "mix"] and report["table_bits"] == 8
     assert report["others"]["scale"] == "float32" and report["others"]["blocks.0.norm"] == "float32"
     assert FP32_MAX_NUMEL >= 32 and tensors["scale"].item() == 0.8125
     emb = model.embed.weight.detach()
@@ -169,3 +169,17 @@ def test_export_int4_fallback_ships_what_int5_cannot(tmp_path, model):
     assert len(torch.unique(w[0])) <= 15  # int4: at most 15 levels per row
     with pytest.raises(ValueError, match="min_bits=3"):
         run_export(model, tmp_path / "d.art", 10**7, min_bits=3)
+
+
+def test_table_width_is_a_choice(tmp_path, model):
+    """int6 tables: smaller, every table at 6 bits, and still close; other widths are refused."""
+    int8, _ = run_export(model, tmp_path / "t8.art", 10**7)
+    int6, lines = run_export(model, tmp_path / "t6.art", 10**7, table_bits=6)
+    assert int6["artifact_bytes"] < int8["artifact_bytes"] and "int6 tables" in lines[-1]
+    _, stored = load_artifact(tmp_path / "t6.art", stored=True)
+    assert stored["embed.weight"].bits == 6
+    _, tensors = load_artifact(tmp_path / "t6.art")
+    emb = model.embed.weight.detach()
+    assert torch.linalg.norm(tensors["embed.weight"] - emb) < 0.05 * torch.linalg.norm(emb)
+    with pytest.raises(ValueError, match="table_bits=4"):
+        run_export(model, tmp_path / "t4.art", 10**7, table_bits=4)

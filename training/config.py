@@ -66,6 +66,7 @@ class QuantConfig:
     min_bits: int = 5                  # 4: if all-int5 is over the cap, demote the least sensitive matrices to int4
     allocator: str = "rank"            # rank: int6 for the most sensitive prefix | lagrangian: widths priced by bytes
     error_weight: str = "output"       # what the allocator compares: output (layer output MSE) | fisher (× loss gradient²)
+    table_bits: int = 8                # embedding tables (token, bigram, value): round-to-nearest per row, 5, 6 or 8
     phi_bits: int = 4                  # mHC phi: GPTQ width on its input's Hessian (4, 5, 6, 8); 4 measured best at a fixed cap
 
 
@@ -192,6 +193,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"quant.allocator={cfg.quant.allocator!r}: expected 'rank' or 'lagrangian'")
     if cfg.quant.error_weight not in ("output", "fisher"):
         raise ConfigError(f"quant.error_weight={cfg.quant.error_weight!r}: expected 'output' or 'fisher'")
+    if cfg.quant.table_bits not in (5, 6, 8):
+        raise ConfigError(f"quant.table_bits={cfg.quant.table_bits}: expected 5, 6 or 8 (the width of the "
+                          "embedding tables)")
     if cfg.quant.phi_bits not in (4, 5, 6, 8):
         raise ConfigError(f"quant.phi_bits={cfg.quant.phi_bits}: expected 4, 5, 6 or 8 (the width of the mHC phi "
                           "projections)")

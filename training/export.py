@@ -78,7 +78,7 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
                                          method=cfg.quant.method, log=log, min_bits=cfg.quant.min_bits,
                                          observed_patterns=observed_patterns(model),
                                          observed_bits=cfg.quant.phi_bits, allocator=cfg.quant.allocator,
-                                         error_weight=cfg.quant.error_weight,
+                                         error_weight=cfg.quant.error_weight, table_bits=cfg.quant.table_bits,
                                          autocast_dtype=torch.bfloat16 if device.type == "cuda" else None)
         except BudgetError as e:  # reported in the final JSON; the run then exits non-zero
             log(f"export failed: {e}")
