@@ -4,6 +4,7 @@ import json
 import pytest
 
 from conftest import REPO
+from quant.container import load_artifact
 from scripts import bench_quant
 from test_train import tiny_overrides
 
@@ -21,7 +22,7 @@ def test_variants_share_the_weights_and_differ_in_what_they_ship(checkpoint, tmp
     ckpt, overrides = checkpoint
     out = tmp_path / "bq.json"
     code = bench_quant.main(["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(ckpt),
-                             "--variant", "phi8=quant.phi_bits=8", "--variant", "phi4=quant.phi_bits=4 quant.method=rtn quant.allocator=lagrangian quant.error_weight=fisher",
+                             "--variant", "phi8=quant.phi_bits=8 quant.table_bits=6", "--variant", "phi4=quant.phi_bits=4 quant.method=rtn quant.allocator=lagrangian quant.error_weight=fisher",
                              "--keep", str(tmp_path), "--out", str(out), "--", *overrides])
     assert code == 0
     result = json.loads(out.read_text())
@@ -33,6 +34,8 @@ def test_variants_share_the_weights_and_differ_in_what_they_ship(checkpoint, tmp
     for r in rows.values():
         assert (tmp_path / f"{r['variant']}.mhcg").stat().st_size == r["artifact_bytes"]
         assert r["gap"] == pytest.approx(r["val_bpb"] - result["float_val_bpb"])
+    _, stored = load_artifact(tmp_path / "phi8.mhcg", stored=True)
+    assert stored["embed.weight"].bits == 6 and stored["mhc.0.phi"].bits == 8  # config keys reach the artifact
     table = capsys.readouterr().out
     assert "| phi8 |" in table and "| phi4 |" in table
 
