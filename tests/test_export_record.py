@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY_SEEDS
+from quant.size import code_bytes
 from scripts import export_record
-from scripts.export_record import (collect_modules, config_toml, generate_script, imported_names, record_config,
-                                   source_literal)
+from scripts.export_record import (collect_modules, config_toml, embedded_sources, generate_script, imported_names,
+                                   record_config, source_literal)
 from scripts.runlog import parse_lines, parse_log
 from training.config import load_config, to_dict
 
@@ -43,15 +44,33 @@ def test_source_literal_round_trips(source):
     assert ast.literal_eval(source_literal(source)) == source
 
 
-def test_generated_script_embeds_sources_verbatim():
+@pytest.mark.parametrize("packed", [True, False])
+def test_generated_script_embeds_sources_verbatim(packed):
     modules = collect_modules(REPO)
-    script = generate_script(modules, "title", "abc1234")
-    compile(script, "train_gpt.py", "exec")
+    script = generate_script(modules, "title", "abc1234", packed=packed)
     namespace: dict = {"__name__": "not_main", "__file__": "/nowhere/train_gpt.py"}
     exec(compile(script, "train_gpt.py", "exec"), namespace)  # defines, does not run
     assert set(namespace["MODULES"]) == set(modules)
     assert namespace["MODULES"]["training.trainer"] == (False, (REPO / "training/trainer.py").read_text())
     assert namespace["MODULES"]["quant"][0] is True
+    assert embedded_sources(script) == namespace["MODULES"]
+    assert ("PACKED = b'" in script) == packed
+
+
+def test_packed_script_is_a_third_of_the_plain_one_and_unpacks_to_the_sources(tmp_path):
+    modules = collect_modules(REPO)
+    packed, plain = (len(generate_script(modules, "t", "c", packed=p).encode()) for p in (True, False))
+    assert packed < 0.45 * plain
+    assert packed < code_bytes(REPO), "a record must count less code than the repository run it comes from"
+    script = tmp_path / "train_gpt.py"
+    script.write_text(generate_script(modules, "t", "c"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, str(script), "--unpack", str(tmp_path / "src")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    for name, (path, is_pkg) in modules.items():
+        rel = path.relative_to(REPO)
+        assert (tmp_path / "src" / rel).read_text() == path.read_text(), rel
 
 
 def test_config_toml_reads_back_through_load_config(tiny_seed_runs, tmp_path):
