@@ -26,7 +26,8 @@ def real_size_of(matrices, cache):
     extra = {"norm.weight": np.ones(8, np.float16)}
 
     def size_of(bits):
-        quantized = {name: matrices[name][b] for name, b in bits.items()} | extra
+        # in a fixed order, as the exporter composes them: the compressed header depends on the order
+        quantized = {name: matrices[name][bits[name]] for name in matrices} | extra
         return len(build_artifact(META, quantized, "lzma", "byte", cache, threads=1))
     return size_of
 
