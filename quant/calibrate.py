@@ -129,6 +129,8 @@ def collect_output_fisher(model: nn.Module, modules: dict[str, nn.Linear], calib
             counts[name] += g.shape[0]
         return record
 
+    hint = (f"{type(model).__name__}(ids, targets) must return the scalar mean loss for Fisher weights; "
+            "hint: use error_weight='output' with this model")
     handles = [m.register_full_backward_hook(hook(name)) for name, m in modules.items()]
     was_training = model.training
     model.eval()
@@ -137,8 +139,6 @@ def collect_output_fisher(model: nn.Module, modules: dict[str, nn.Linear], calib
             ids = ids.to(device)
             if ids.shape[1] < 2:
                 raise ValueError("Fisher weights need sequences of at least 2 tokens (a next-token loss)")
-            hint = (f"{type(model).__name__}(ids, targets) must return the scalar mean loss for Fisher weights; "
-                    "hint: use error_weight='output' with this model")
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 try:
                     loss = model(ids[:, :-1], ids[:, 1:].long())

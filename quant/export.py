@@ -211,6 +211,7 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     sensitivity = {n: (d["err5"] - d["err6"]) / numel[n] for n, d in details.items()}
     demotion = ({n: (d["err4"] - d["err5"]) / numel[n] for n, d in details.items()}
                 if min_bits == FALLBACK_BITS else None)
+
     def size_of(bits: dict[str, int]) -> int:
         return len(build_artifact(meta, compose(bits), codec, layout, cache))
 

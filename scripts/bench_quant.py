@@ -35,6 +35,7 @@ from scripts.ablate import parse_variant, split_common  # noqa: E402
 from scripts.evaluate import evaluate_artifact  # noqa: E402
 from scripts.runlog import write_atomic  # noqa: E402
 from training.config import ConfigError, load_config, to_dict  # noqa: E402
+from training.distributed import init_distributed  # noqa: E402
 from training.evaluate import evaluate_bpb  # noqa: E402
 from training.export import export_model  # noqa: E402
 
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
     variants = [parse_variant(text) for text in args.variant]
     configs = check_variants(args.config, common, variants)
     cfg = load_config(args.config, common)
-    device = torch.device("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu")
+    device = init_distributed(cfg.train.device).device  # one process; train.device=cuda without a GPU is an error
     model = GPT(cfg.model)
     source = load_weights(args.checkpoint, model)
     model.to(device)
