@@ -1,6 +1,7 @@
 """Kernel benchmarks on a CUDA GPU, one subcommand per kernel family:
 
     python scripts/bench_kernels.py mhc [--tokens 32768 98304] [--n 4] [--C 512] [--rep-ms 200] [--sweep]
+                                        [--impls eager,compiled,triton] [--profile-once]
     python scripts/bench_kernels.py mlp ...   (scripts/bench_mlp.py: its own flags)
 
 `mhc` times one steady-state mHC unit, mhc_post_pre (apply of sublayer l + coefficients and pre-mix
@@ -8,7 +9,9 @@ of sublayer l+1, with the sublayer output y given), in bf16: forward, backward a
 of the eager PyTorch reference, torch.compile of the reference, and the Triton kernels. Each time is
 compared with the floor set by the bytes that must move (printed per token) at the device-to-device
 copy bandwidth measured in the same run. `--sweep` also times each Triton kernel alone under several
-block configurations.
+block configurations. `--profile-once` times nothing: it runs the Triton unit's forward and backward
+twice (the first compiles) for a profiler to read, e.g.
+    ncu --clock-control none --launch-skip 4 --launch-count 4 python scripts/bench_kernels.py mhc --profile-once
 """
 from __future__ import annotations
 
@@ -127,6 +130,22 @@ def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float) -> list
 
 # ---------------------------------------------------------------- mhc subcommand
 
+IMPLS = ("eager", "compiled", "triton")
+IMPL_LABELS = {"eager": "eager reference", "compiled": "compiled reference", "triton": "triton kernels"}
+
+
+def profile_once(T: int, n: int, C: int) -> None:
+    """Forward + backward of the Triton unit, twice: the first run compiles, the second is the one to
+    profile (4 kernel launches in the forward+backward of mhc_post_pre: coef_premix, premix_grad,
+    coef_bwd, stream_bwd)."""
+    from kernels import mhc as K
+    leaves = [t.detach().clone().requires_grad_() for t in make_inputs(T, n, C)]
+    for _ in range(2):
+        outs = K.mhc_post_pre(*leaves)
+        torch.autograd.grad(outs, leaves, [torch.ones_like(o) for o in outs])
+    torch.cuda.synchronize()
+    print(f"profile-once: ran mhc_post_pre forward+backward twice at T={T}, n={n}, C={C}")
+
 def parse_mhc_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_kernels.py mhc", description="mHC fused-kernel benchmark (bf16)")
     p.add_argument("--tokens", type=int, nargs="+", default=[32_768, 98_304], help="token counts to time")
@@ -134,7 +153,14 @@ def parse_mhc_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--C", type=int, default=512, help="stream width (a multiple of 16)")
     p.add_argument("--rep-ms", type=int, default=200, help="milliseconds of timed repeats per measurement")
     p.add_argument("--sweep", action="store_true", help="also time each Triton kernel under several block configs")
+    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
+    p.add_argument("--profile-once", action="store_true",
+                   help="no timing: run the Triton unit's forward+backward twice at the first --tokens, for a profiler")
     args = p.parse_args(argv)
+    args.impls = [name.strip() for name in args.impls.split(",") if name.strip()]
+    unknown = sorted(set(args.impls) - set(IMPLS))
+    if unknown or not args.impls:
+        p.error(f"--impls must name some of {','.join(IMPLS)}, got {unknown or 'nothing'}")
     if min(args.tokens) <= 0 or args.rep_ms <= 0:
         p.error(f"--tokens and --rep-ms must be positive, got {args.tokens} and {args.rep_ms}")
     if args.n < 2 or args.n & (args.n - 1) or args.C <= 0 or args.C % 16:
@@ -150,15 +176,18 @@ def mhc_main(argv: list[str]) -> list[dict]:
 
     torch.manual_seed(0)
     n, C = args.n, args.C
+    if args.profile_once:
+        profile_once(args.tokens[0], n, C)
+        return []
     per_token = floor_bytes_per_token(n, C)
     copy_bps = copy_bandwidth(args.rep_ms)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  n={n} C={C} bf16 streams")
     print(f"copy bandwidth (1 GiB D2D, read+write): {copy_bps / 1e9:.0f} GB/s")
     print(f"floor bytes/token: fwd {per_token['fwd']}, bwd {per_token['bwd']}, fwd+bwd {per_token['fwd+bwd']} "
           f"(= {(5 * n + 5)} * C bf16 stream elements + fp32 coefficients)")
-    impls = {"eager reference": R.mhc_post_pre,
-             "compiled reference": torch.compile(R.mhc_post_pre, dynamic=False),
-             "triton kernels": K.mhc_post_pre}
+    make = {"eager": lambda: R.mhc_post_pre, "compiled": lambda: torch.compile(R.mhc_post_pre, dynamic=False),
+            "triton": lambda: K.mhc_post_pre}
+    impls = {IMPL_LABELS[name]: make[name]() for name in args.impls}
     rows = []
     for T in args.tokens:
         inputs = make_inputs(T, n, C)

@@ -249,7 +249,11 @@ def test_bench_mhc_flags_parse_and_reject_bad_values():
     assert (args.tokens, args.n, args.C, args.rep_ms, args.sweep) == ([32_768, 98_304], 4, 512, 200, False)
     args = parse_mhc_args(["--tokens", "100", "200", "--n", "8", "--C", "96", "--rep-ms", "5", "--sweep"])
     assert (args.tokens, args.n, args.C, args.rep_ms, args.sweep) == ([100, 200], 8, 96, 5, True)
-    for bad in (["--n", "3"], ["--C", "40"], ["--tokens", "0"], ["--rep-ms", "-1"]):
+    assert (args.impls, args.profile_once) == (["eager", "compiled", "triton"], False)
+    args = parse_mhc_args(["--impls", "triton, eager", "--profile-once"])
+    assert (args.impls, args.profile_once) == (["triton", "eager"], True)
+    for bad in (["--n", "3"], ["--C", "40"], ["--tokens", "0"], ["--rep-ms", "-1"], ["--impls", "cuda"],
+                ["--impls", ","]):
         with pytest.raises(SystemExit):
             parse_mhc_args(bad)
 
@@ -272,3 +276,13 @@ def test_gpu_bench_mhc_runs_with_sweep():
     from scripts.bench_kernels import main
     rows = main(["mhc", "--tokens", "3000", "--C", "512", "--rep-ms", "10", "--sweep"])
     assert len(rows) == 9 and all(r["ms"] > 0 and r["pct"] > 0 for r in rows)
+    rows = main(["mhc", "--tokens", "3000", "--rep-ms", "10", "--impls", "triton"])
+    assert [r["impl"] for r in rows] == ["triton kernels"] * 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bench_mhc_profile_once_runs_the_unit_and_times_nothing(capsys):
+    from scripts.bench_kernels import main
+    assert main(["mhc", "--tokens", "3000", "--profile-once"]) == []
+    assert "ran mhc_post_pre forward+backward twice at T=3000" in capsys.readouterr().out
