@@ -22,7 +22,7 @@ try:
     from torch.library import triton_op, wrap_triton
 
     from kernels._triton_util import INTERPRET
-    from kernels.mhc_bwd import launch_coef_bwd, launch_stream_bwd
+    from kernels.mhc_bwd import launch_coef_bwd, launch_dphi, launch_stream_bwd
     from kernels.mhc_fwd import launch_apply, launch_coef_premix
     HAVE_TRITON = True
 except ImportError:  # no triton on this platform: the reference serves every call
@@ -71,16 +71,17 @@ if HAVE_TRITON:
     def _pre_fwd(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, iters: int
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         _, u, h_post, h_res, raw, rinv = launch_coef_premix(
-            wrap_triton, x.contiguous(), None, None, None, phi.contiguous(), alpha, bias, iters)
+            wrap_triton, x.contiguous(), None, None, None, phi, alpha, bias, iters)
         return u, h_post, h_res, raw, rinv
 
     @triton_op("mhcgolf::mhc_pre_bwd", mutates_args=())
     def _pre_bwd(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, raw: Tensor, rinv: Tensor,
                  du: Tensor, dh_post: Tensor, dh_res: Tensor, iters: int
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        x, phi = x.contiguous(), phi.contiguous()
+        x = x.contiguous()
         aux, dalpha, dbias = launch_coef_bwd(wrap_triton, x, du, dh_post, dh_res, raw, rinv, alpha, bias, iters)
-        dx, _, _, _, dphi = launch_stream_bwd(wrap_triton, x, None, None, None, None, du, aux, phi)
+        dx, _, _, _ = launch_stream_bwd(wrap_triton, x, None, None, None, None, du, aux, phi)
+        dphi = launch_dphi(wrap_triton, x, aux)
         return dx, dphi.to(phi.dtype), dalpha.to(alpha.dtype), dbias.to(bias.dtype)
 
     def _pre_setup(ctx, inputs, output):
@@ -106,7 +107,7 @@ if HAVE_TRITON:
     @triton_op("mhcgolf::mhc_post_bwd", mutates_args=())
     def _post_bwd(x: Tensor, h_res: Tensor, h_post: Tensor, y: Tensor, dx_new: Tensor
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        dx, dy, dh_res, dh_post, _ = launch_stream_bwd(
+        dx, dy, dh_res, dh_post = launch_stream_bwd(
             wrap_triton, x.contiguous(), y.contiguous(), h_res.contiguous(), h_post.contiguous(), dx_new,
             None, None, None)
         return dx, dh_res.to(h_res.dtype), dh_post.to(h_post.dtype), dy
@@ -125,18 +126,18 @@ if HAVE_TRITON:
     def _post_pre_fwd(x: Tensor, h_res: Tensor, h_post: Tensor, y: Tensor, phi: Tensor, alpha: Tensor,
                       bias: Tensor, iters: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         return launch_coef_premix(wrap_triton, x.contiguous(), y.contiguous(), h_res.contiguous(),
-                                  h_post.contiguous(), phi.contiguous(), alpha, bias, iters)
+                                  h_post.contiguous(), phi, alpha, bias, iters)
 
     @triton_op("mhcgolf::mhc_post_pre_bwd", mutates_args=())
     def _post_pre_bwd(x: Tensor, h_res: Tensor, h_post: Tensor, y: Tensor, phi: Tensor, alpha: Tensor,
                       bias: Tensor, x_new: Tensor, raw: Tensor, rinv: Tensor, dx_new: Tensor, du: Tensor,
                       dh_post: Tensor, dh_res: Tensor, iters: int
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        x, y, phi = x.contiguous(), y.contiguous(), phi.contiguous()
+        x, y = x.contiguous(), y.contiguous()
         h_res, h_post = h_res.contiguous(), h_post.contiguous()
         aux, dalpha, dbias = launch_coef_bwd(wrap_triton, x_new, du, dh_post, dh_res, raw, rinv, alpha, bias, iters)
-        dx, dy, dh_res_in, dh_post_in, dphi = launch_stream_bwd(
-            wrap_triton, x, y, h_res, h_post, dx_new, du, aux, phi)
+        dx, dy, dh_res_in, dh_post_in = launch_stream_bwd(wrap_triton, x, y, h_res, h_post, dx_new, du, aux, phi)
+        dphi = launch_dphi(wrap_triton, x_new, aux)
         return (dx, dh_res_in.to(h_res.dtype), dh_post_in.to(h_post.dtype), dy, dphi.to(phi.dtype),
                 dalpha.to(alpha.dtype), dbias.to(bias.dtype))
 

@@ -1,17 +1,18 @@
 """Backward Triton kernels for per-token mHC (math: kernels/mhc_reference.py).
 
-Two passes, because every stream gradient needs dH_pre, a reduction over all n*C channels:
+Three passes, because every stream gradient needs dH_pre, a reduction over all n*C channels:
   coef_bwd (token-major): dH_pre[i] = sum_c du * x'_i, then the gradient of the coefficient logits
     (sigmoid gates; Sinkhorn by recomputing its rounds from the stored raw projections), folded
     into G = inv_rms * d(raw) [T, N] and the rms factor [T]; per-program partial sums for
     d(alpha) and d(bias), reduced afterwards (deterministic, no atomics).
-  stream_bwd (channel-major): one program owns a channel tile of all n streams and walks a
-    strided subset of token blocks, so it can keep d(phi) rows for its channels in registers:
+  stream_bwd (token-major): one program owns BT tokens and walks their channels:
       dx'_i = dx'_out_i + H_pre[i] du + (G phi^T)_i + rms * x'_i        (coefficient path)
       dx_j = sum_i H_res[i, j] dx'_i,  dy = sum_i H_post[i] dx'_i          (apply path)
-    x' is recomputed from x and y (one read less than loading it). Per-token reductions over the
-    channel tiles (dH_res, dH_post) and the per-program d(phi) rows are partial sums reduced by
-    torch.sum afterwards.
+    x' is recomputed from x and y (one read less than loading it); the per-token sums over
+    channels (dH_res, dH_post) finish in the program's registers.
+  dphi: d(phi) = x'^T G, a skinny product over all tokens, as per-program partials summed afterwards.
+    It reads x' once more; folding it into stream_bwd (an [n*C, N] accumulator per program) spilled
+    registers and ran that kernel at 28% of the copy bandwidth (H100, ncu, session 4).
 """
 from __future__ import annotations
 
@@ -120,34 +121,45 @@ def coef_bwd_kernel(
 @triton.jit
 def stream_bwd_kernel(
     x_ptr, y_ptr, hres_ptr, hpost_ptr, dxo_ptr,               # apply inputs, grad of the new streams
-    du_ptr, aux_ptr, phi_ptr,                                  # coefficient path
-    dx_ptr, dy_ptr, dhres_part_ptr, dhpost_part_ptr, dphi_part_ptr,
+    du_ptr, aux_ptr, phit_ptr,                                 # coefficient path; phit = phi^T [N, n*C]
+    dx_ptr, dy_ptr, dhres_ptr, dhpost_ptr,
     T, C,
     n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
     APPLY: tl.constexpr, COEF: tl.constexpr, LOWP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
 ):
-    """LOWP (bf16 streams): the two coefficient-path products take bf16 operands (fp32 accumulate)."""
-    pid_c = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    splits = tl.num_programs(1)
-    c = pid_c * BC + tl.arange(0, BC)
-    cmask = c < C
-    col = tl.arange(0, NP)
+    """One program owns BT tokens and walks their channels in tiles of BC, so the per-token sums over
+    channels (dH_res, dH_post) finish in registers and are stored once. No d(phi) here (dphi_kernel):
+    its [n*C, N] accumulator is what spilled the channel-major version of this kernel.
+    LOWP (bf16 streams): G phi^T takes bf16 operands (fp32 accumulate)."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = t < T
+    t64 = t.to(tl.int64)
     K = n * C
-    if COEF:
-        dphi = ()  # the d(phi) rows of this program's channels, one [BC, NP] tile per stream
+    row = t64 * K
+    if APPLY:
+        h_res, h_post = load_mixing(hres_ptr, hpost_ptr, t64, tmask, n)
+        dh_res = ()
+        for ij in tl.static_range(n * n):
+            dh_res = dh_res + (tl.zeros([BT], tl.float32),)
+        dh_post = ()
         for i in tl.static_range(n):
-            dphi = dphi + (tl.zeros([BC, NP], tl.float32),)
+            dh_post = dh_post + (tl.zeros([BT], tl.float32),)
+    if COEF:
+        col = tl.arange(0, NP)
+        g = tl.load(aux_ptr + t64[:, None] * NP + col[None, :], mask=tmask[:, None] & (col < N)[None, :], other=0.0)
+        if LOWP:
+            g = g.to(tl.bfloat16)
+        rms_factor = tl.load(aux_ptr + t64 * NP + N, mask=tmask, other=0.0)
+        h_pre = ()
+        for i in tl.static_range(n):
+            h_pre = h_pre + (tl.load(aux_ptr + t64 * NP + N + 1 + i, mask=tmask, other=0.0),)
 
-    for tb in range(pid_s, tl.cdiv(T, BT), splits):
-        t = tb * BT + tl.arange(0, BT)
-        tmask = t < T
-        t64 = t.to(tl.int64)
-        row = t64 * K
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)
+        cmask = c < C
         m2 = tmask[:, None] & cmask[None, :]
         xs = load_streams(x_ptr, row, c, m2, C, n, KEEP_DTYPE=True)
         if APPLY:
-            h_res, h_post = load_mixing(hres_ptr, hpost_ptr, t64, tmask, n)
             y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
             dxt = load_streams(dxo_ptr, row, c, m2, C, n)
         else:
@@ -156,41 +168,30 @@ def stream_bwd_kernel(
                 dxt = dxt + (tl.zeros([BT, BC], tl.float32),)
         if COEF:
             du = tl.load(du_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            g = tl.load(aux_ptr + t64[:, None] * NP + col[None, :], mask=tmask[:, None], other=0.0)
-            rms_factor = tl.load(aux_ptr + t64 * NP + N, mask=tmask, other=0.0)
             grads = ()
-            sums = ()
             for i in tl.static_range(n):
-                if APPLY:  # x'_i recomputed (one stream at a time: fewer live tiles), rounded as stored
+                if APPLY:  # x'_i recomputed (one read less than loading it), rounded as stored
                     xi = apply_stream(xs, y, h_res, h_post, i, n).to(x_ptr.dtype.element_ty).to(tl.float32)
                 else:
                     xi = xs[i].to(tl.float32)
-                # phi^T tile re-read per token block (L1-resident): held across the loop it would sit
-                # in the replicated dot-operand layout
-                phi_t = tl.load(phi_ptr + (i * C + c)[None, :] * N + col[:, None],
-                                mask=cmask[None, :] & (col < N)[:, None], other=0.0).to(tl.float32)
-                if LOWP:
-                    gp = tl.dot(g.to(tl.bfloat16), phi_t.to(tl.bfloat16))
-                    dphi_i = tl.dot(tl.trans(xi.to(tl.bfloat16)), g.to(tl.bfloat16))
-                else:
-                    gp = tl.dot(g, phi_t)
-                    dphi_i = tl.dot(tl.trans(xi), g)
-                h_pre = tl.load(aux_ptr + t64 * NP + N + 1 + i, mask=tmask, other=0.0)
-                grads = grads + (dxt[i] + h_pre[:, None] * du + rms_factor[:, None] * xi + gp,)
-                sums = sums + (dphi[i] + dphi_i,)
+                phi_t = tl.load(phit_ptr + col[:, None] * K + (i * C + c)[None, :],
+                                mask=(col < N)[:, None] & cmask[None, :], other=0.0)
+                gp = tl.dot(g, phi_t.to(g.dtype))
+                grads = grads + (dxt[i] + h_pre[i][:, None] * du + rms_factor[:, None] * xi + gp,)
             dxt = grads
-            dphi = sums
         if APPLY:
             dy = h_post[0][:, None] * dxt[0]
             for i in tl.static_range(1, n):
                 dy += h_post[i][:, None] * dxt[i]
             tl.store(dy_ptr + t64[:, None] * C + c[None, :], dy.to(dy_ptr.dtype.element_ty), mask=m2)
-            part_row = pid_c * T + t64   # per channel tile partial sums of dH_res, dH_post
+            post_sums = ()
+            res_sums = ()
             for i in tl.static_range(n):
-                tl.store(dhpost_part_ptr + part_row * n + i, tl.sum(dxt[i] * y, axis=1), mask=tmask)
+                post_sums = post_sums + (dh_post[i] + tl.sum(dxt[i] * y, axis=1),)
                 for j in tl.static_range(n):
-                    dh_ij = tl.sum(dxt[i] * xs[j].to(tl.float32), axis=1)
-                    tl.store(dhres_part_ptr + part_row * (n * n) + i * n + j, dh_ij, mask=tmask)
+                    res_sums = res_sums + (dh_res[i * n + j] + tl.sum(dxt[i] * xs[j].to(tl.float32), axis=1),)
+            dh_post = post_sums
+            dh_res = res_sums
             dx = ()
             for j in tl.static_range(n):
                 acc = h_res[j][:, None] * dxt[0]
@@ -201,10 +202,35 @@ def stream_bwd_kernel(
         else:
             store_streams(dx_ptr, row, c, m2, dxt, C, n)
 
-    if COEF:
+    if APPLY:
+        for ij in tl.static_range(n * n):
+            tl.store(dhres_ptr + t64 * (n * n) + ij, dh_res[ij], mask=tmask)
         for i in tl.static_range(n):
-            tl.store(dphi_part_ptr + pid_s.to(tl.int64) * K * NP + (i * C + c)[:, None] * NP + col[None, :],
-                     dphi[i], mask=cmask[:, None])
+            tl.store(dhpost_ptr + t64 * n + i, dh_post[i], mask=tmask)
+
+
+@triton.jit
+def dphi_kernel(xs_ptr, aux_ptr, part_ptr, T, K,
+                N: tl.constexpr, NP: tl.constexpr, LOWP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """d(phi)[k, :] = sum_t x'[t, k] G[t, :], x' viewed as [T, K = n*C]: one program owns BK rows of
+    d(phi) and a strided subset of token blocks; the per-program partials are summed afterwards
+    (deterministic, no atomics). Every x' element is read by exactly one program."""
+    pid_s = tl.program_id(1)
+    k = tl.program_id(0) * BK + tl.arange(0, BK)
+    kmask = k < K
+    col = tl.arange(0, NP)
+    acc = tl.zeros([BK, NP], tl.float32)
+    for tb in range(pid_s, tl.cdiv(T, BT), tl.num_programs(1)):
+        t = tb * BT + tl.arange(0, BT)
+        tmask = t < T
+        t64 = t.to(tl.int64)
+        xt = tl.load(xs_ptr + t64[:, None] * K + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        g = tl.load(aux_ptr + t64[:, None] * NP + col[None, :], mask=tmask[:, None] & (col < N)[None, :], other=0.0)
+        if LOWP:
+            acc += tl.dot(tl.trans(xt.to(tl.bfloat16)), g.to(tl.bfloat16))
+        else:
+            acc += tl.dot(tl.trans(xt.to(tl.float32)), g)
+    tl.store(part_ptr + pid_s.to(tl.int64) * K * NP + k[:, None] * NP + col[None, :], acc, mask=kmask[:, None])
 
 
 # ---------------------------------------------------------------- launchers (make_fx traceable)
@@ -221,7 +247,11 @@ def coef_bwd_config(device: torch.device) -> dict:
 
 
 def stream_bwd_config(device: torch.device) -> dict:
-    return dict(BT=16, BC=128, num_warps=8) if device.type == "cuda" else dict(BT=16, BC=32, num_warps=4)
+    return dict(BT=32, BC=64, num_warps=4) if device.type == "cuda" else dict(BT=16, BC=32, num_warps=4)
+
+
+def dphi_config(device: torch.device) -> dict:
+    return dict(BT=64, BK=128, num_warps=4) if device.type == "cuda" else dict(BT=16, BK=32, num_warps=4)
 
 
 def launch_coef_bwd(launch, xs, du, dh_post, dh_res, raw, rinv, alpha, bias, iters: int, cfg: dict | None = None):
@@ -244,30 +274,38 @@ def launch_coef_bwd(launch, xs, du, dh_post, dh_res, raw, rinv, alpha, bias, ite
 
 def launch_stream_bwd(launch, x, y, h_res, h_post, dx_new, du, aux, phi, cfg: dict | None = None):
     """Stream gradients. With y: x' = apply(x, ...) and dx_new is its incoming gradient; with du:
-    the coefficient path of pre(x'). Returns (dx, dy, dh_res, dh_post, dphi), None where absent."""
+    the coefficient path of pre(x') (phi [n*C, N]). Returns (dx, dy, dh_res, dh_post), None where absent."""
     T, n, C = x.shape
     N, NP = num_coefficients(n), padded_columns(n)
     apply, coef = y is not None, du is not None
     cfg = dict(stream_bwd_config(x.device) if cfg is None else cfg)
     BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"), n)
-    chunks = triton.cdiv(C, BC)
-    splits = cfg.pop("splits", None) or max(1, program_slots(x.device) // chunks)
+    lowp = cfg.pop("LOWP", x.dtype == torch.bfloat16)
     f32 = dict(device=x.device, dtype=torch.float32)
     dx = torch.empty_like(x)
     dy = torch.empty_like(y) if apply else None
-    dhres_part = torch.empty((chunks, T, n, n), **f32) if apply else None
-    dhpost_part = torch.empty((chunks, T, n), **f32) if apply else None
-    dphi_part = torch.empty((splits, n * C, NP), **f32) if coef else None
+    dh_res = torch.empty((T, n, n), **f32) if apply else None
+    dh_post = torch.empty((T, n), **f32) if apply else None
+    # phi^T [N, n*C], the model's storage layout (no copy there), in the dot's operand dtype
+    phit = phi.t().to(torch.bfloat16 if lowp else torch.float32).contiguous() if coef else None
     dummy = dx
-    launch(stream_bwd_kernel)[(chunks, splits)](
+    launch(stream_bwd_kernel)[(triton.cdiv(T, BT),)](
         x, y if apply else dummy, h_res if apply else dummy, h_post if apply else dummy,
-        dx_new if apply else dummy, du if coef else dummy, aux if coef else dummy,
-        phi if coef else dummy, dx, dy if apply else dummy,
-        dhres_part if apply else dummy, dhpost_part if apply else dummy,
-        dphi_part if coef else dummy, T, C,
-        n=n, N=N, NP=NP, APPLY=apply, COEF=coef, LOWP=cfg.pop("LOWP", x.dtype == torch.bfloat16), BT=BT, BC=BC,
-        **cfg)
-    dh_res = dhres_part.sum(dim=0) if apply else None
-    dh_post = dhpost_part.sum(dim=0) if apply else None
-    dphi = dphi_part[:, :, :N].sum(dim=0) if coef else None
-    return dx, dy, dh_res, dh_post, dphi
+        dx_new if apply else dummy, du if coef else dummy, aux if coef else dummy, phit if coef else dummy,
+        dx, dy if apply else dummy, dh_res if apply else dummy, dh_post if apply else dummy, T, C,
+        n=n, N=N, NP=NP, APPLY=apply, COEF=coef, LOWP=lowp, BT=BT, BC=BC, **cfg)
+    return dx, dy, dh_res, dh_post
+
+
+def launch_dphi(launch, xs, aux, cfg: dict | None = None):
+    """d(phi) [n*C, N] of the coefficient projection, from the streams it read (x' [T, n, C]) and G in aux."""
+    T, n, C = xs.shape
+    N, NP, K = num_coefficients(n), padded_columns(n), n * C
+    cfg = dict(dphi_config(xs.device) if cfg is None else cfg)
+    BT, BK = cfg.pop("BT"), cfg.pop("BK")
+    chunks = triton.cdiv(K, BK)
+    splits = cfg.pop("splits", None) or max(1, min(triton.cdiv(T, BT), program_slots(xs.device) // chunks))
+    part = torch.empty((splits, K, NP), device=xs.device, dtype=torch.float32)
+    launch(dphi_kernel)[(chunks, splits)](
+        xs, aux, part, T, K, N=N, NP=NP, LOWP=cfg.pop("LOWP", xs.dtype == torch.bfloat16), BT=BT, BK=BK, **cfg)
+    return part[:, :, :N].sum(dim=0)

@@ -23,12 +23,14 @@ from kernels.mhc_reference import RMS_EPS
 @triton.jit
 def coef_premix_kernel(
     x_ptr, y_ptr, hres_ptr, hpost_ptr,          # apply inputs (y/hres/hpost unused without APPLY)
-    phi_ptr, alpha_ptr, bias_ptr,
+    phit_ptr, alpha_ptr, bias_ptr,             # phit = phi^T [N, n*C] in the projection's operand dtype
     xnew_ptr, u_ptr, hpost_out_ptr, hres_out_ptr, raw_ptr, rinv_ptr,
     T, C,
     n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr, EPS: tl.constexpr,
-    APPLY: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    APPLY: tl.constexpr, LOWP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
 ):
+    """LOWP (bf16 streams): the projection x'.phi takes bf16 operands (fp32 accumulate), as the
+    reference's matmul does under the model's bf16 autocast."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -48,7 +50,7 @@ def coef_premix_kernel(
         c = c0 + tl.arange(0, BC)
         cmask = c < C
         m2 = tmask[:, None] & cmask[None, :]
-        xs = load_streams(x_ptr, row, c, m2, C, n)
+        xs = load_streams(x_ptr, row, c, m2, C, n, KEEP_DTYPE=LOWP)
         if APPLY:
             y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
             store_streams(xnew_ptr, row, c, m2, apply_streams(xs, y, h_res_in, h_post_in, n), C, n)
@@ -56,11 +58,12 @@ def coef_premix_kernel(
             # memory, not registers, also stops Triton from recomputing the apply in the dot-operand
             # layout (replicated across warps), which doubled the registers and spilled.
             tl.debug_barrier()
-            xs = load_streams(xnew_ptr, row, c, m2, C, n)
+            xs = load_streams(xnew_ptr, row, c, m2, C, n, KEEP_DTYPE=LOWP)
         for i in tl.static_range(n):
-            ss += tl.sum(xs[i] * xs[i], axis=1)
-            ph = tl.load(phi_ptr + (i * C + c)[:, None] * N + col[None, :],
-                         mask=cmask[:, None] & (col < N)[None, :], other=0.0).to(tl.float32)
+            xf = xs[i].to(tl.float32)
+            ss += tl.sum(xf * xf, axis=1)
+            ph = tl.load(phit_ptr + col[None, :] * K + (i * C + c)[:, None],
+                         mask=cmask[:, None] & (col < N)[None, :], other=0.0)
             acc += tl.dot(xs[i], ph)
 
     # Coefficients, per token in registers. raw goes through global memory (the backward needs it)
@@ -135,11 +138,14 @@ def launch_coef_premix(launch, x, y, h_res, h_post, phi, alpha, bias, iters: int
     raw = torch.empty((T, N), **f32)
     rinv = torch.empty((T,), **f32)
     BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"), n)
+    lowp = cfg.pop("LOWP", x.dtype == torch.bfloat16)
+    # phi^T [N, n*C]: the model's storage layout (phi arrives as its transposed view), in the dot's dtype
+    phit = phi.t().to(x.dtype if lowp else torch.float32).contiguous()
     grid = (triton.cdiv(T, BT),)
     launch(coef_premix_kernel)[grid](
         x, y if apply else x, h_res if apply else raw, h_post if apply else raw,
-        phi, alpha, bias, x_new if apply else x, u, h_post_out, h_res_out, raw, rinv,
-        T, C, n=n, N=N, NP=padded_columns(n), ITERS=iters, EPS=RMS_EPS, APPLY=apply,
+        phit, alpha, bias, x_new if apply else x, u, h_post_out, h_res_out, raw, rinv,
+        T, C, n=n, N=N, NP=padded_columns(n), ITERS=iters, EPS=RMS_EPS, APPLY=apply, LOWP=lowp,
         BT=BT, BC=BC, **cfg)
     return x_new, u, h_post_out, h_res_out, raw, rinv
 

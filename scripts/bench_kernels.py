@@ -29,13 +29,15 @@ from kernels import mhc_reference as R
 COPY_BYTES = 1 << 30
 SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the default)
     "coef_premix": [dict(BT=16, BC=64, num_warps=4), dict(BT=16, BC=128, num_warps=4), dict(BT=32, BC=64, num_warps=4),
-                    dict(BT=16, BC=64, num_warps=8), dict(BT=32, BC=64, num_warps=8), dict(BT=16, BC=32, num_warps=2)],
+                    dict(BT=16, BC=64, num_warps=8), dict(BT=32, BC=64, num_warps=8), dict(BT=16, BC=32, num_warps=2),
+                    dict(BT=16, BC=64, num_warps=4, LOWP=False)],
     "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
                  dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
-    "stream_bwd": [dict(BT=16, BC=128, num_warps=8), dict(BT=16, BC=64, num_warps=8), dict(BT=32, BC=64, num_warps=8),
-                   dict(BT=32, BC=128, num_warps=8), dict(BT=16, BC=256, num_warps=8),
-                   dict(BT=16, BC=128, num_warps=16), dict(BT=16, BC=128, num_warps=8, LOWP=False),
-                   dict(BT=16, BC=128, num_warps=8, splits=33)],
+    "stream_bwd": [dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=64, num_warps=4), dict(BT=64, BC=32, num_warps=4),
+                   dict(BT=64, BC=64, num_warps=8), dict(BT=32, BC=128, num_warps=8), dict(BT=16, BC=128, num_warps=4),
+                   dict(BT=32, BC=64, num_warps=4, LOWP=False)],
+    "dphi": [dict(BT=64, BK=128, num_warps=4), dict(BT=32, BK=128, num_warps=4), dict(BT=64, BK=256, num_warps=8),
+             dict(BT=128, BK=64, num_warps=4), dict(BT=64, BK=128, num_warps=4, splits=66)],
 }
 
 
@@ -102,7 +104,7 @@ def pass_timings(fn, inputs: list[torch.Tensor], rep_ms: int) -> dict[str, float
 
 def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float) -> list[tuple]:
     """Each Triton kernel alone under the SWEEP block configurations: (kernel, config, ms, % of copy bw)."""
-    from kernels.mhc_bwd import launch_coef_bwd, launch_stream_bwd
+    from kernels.mhc_bwd import launch_coef_bwd, launch_dphi, launch_stream_bwd
     from kernels.mhc_fwd import launch_coef_premix
 
     x, h_res, h_post, y, phi, alpha, bias = inputs
@@ -118,6 +120,7 @@ def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float) -> list
         "coef_bwd": (lambda cfg: launch_coef_bwd(direct, x_new, du, dhp, dhr, raw, rinv, alpha, bias, 20, cfg),
                      (n + 1) * C * 2),
         "stream_bwd": (lambda cfg: launch_stream_bwd(direct, x, y, h_res, h_post, dxo, du, aux, phi, cfg), (3 * n + 3) * C * 2),
+        "dphi": (lambda cfg: launch_dphi(direct, x_new, aux, cfg), n * C * 2),
     }
     rows = []
     for name, (run, stream_bytes) in runs.items():
