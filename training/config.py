@@ -82,7 +82,7 @@ class TrainConfig:
     schedule: str = "steps"            # steps | time : what drives warmdown progress
     compile: bool = False              # torch.compile the model (GPU)
     log_every: int = 10
-    checkpoint_every: int = 0          # steps between checkpoints (0: only when SIGTERM/SIGINT arrives)
+    checkpoint_every: int = 0          # steps between checkpoints, and one at the end (0: only on SIGTERM/SIGINT)
     checkpoint_keep: int = 2           # newest checkpoints kept in <out_dir>/checkpoints/<run_id>/
     resume: str = ""                   # '' | latest | <checkpoint dir>; 'latest' needs a fixed train.run_id
     log_dir: str = "logs"

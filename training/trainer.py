@@ -140,6 +140,14 @@ def run_training(
             if checkpointer.stop_requested:
                 stopped_by = "signal"
                 break
+    if checkpointer is not None and checkpointer.every > 0 and completed > start.step \
+            and not checkpointer.should_save(completed):
+        # A run that checkpoints also leaves its final state (what it ships), whatever stopped it:
+        # scripts/bench_quant.py re-quantizes it, and resume=latest continues from it.
+        check_finite(loss, completed)
+        sync()
+        log(f"checkpoint {checkpointer.save(completed, clock(), model, optimizers, ema, loader)} "
+            f"(step {completed}, final)")
     sync()
     bar.clear()
     return TrainResult(steps=completed, train_time_s=clock(), tokens=completed * tokens_per_step,
