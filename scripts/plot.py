@@ -3,7 +3,9 @@
     python -m scripts.plot logs/a.txt logs/b.txt --out plots/
 
 Writes loss_vs_step.png, loss_vs_time.png, bpb_vs_step.png and bpb_vs_time.png (time is the
-training wall clock, evaluation excluded, as the run logged it). Validation BPB comes from the
+training wall clock, evaluation excluded, as the run logged it), and loss_vs_tokens.png /
+bpb_vs_tokens.png when every log's config has train.batch_tokens (runs of different batch sizes or
+GPU counts compared per training token). Validation BPB comes from the
 periodic `eval` lines (eval.every_steps); the score of the shipped artifact is drawn as a marker
 at the run's last step, so a run without periodic evaluations still shows its final point.
 """
@@ -26,7 +28,17 @@ if str(REPO) not in sys.path:  # `python scripts/plot.py` as well as `python -m 
 
 from scripts.runlog import LogFormatError, RunLogData, parse_log, write_atomic  # noqa: E402
 
-AXES = {"step": ("step", "step"), "time": ("train_time_s", "training time (s)")}
+AXES = {"step": ("step", "step"), "time": ("train_time_s", "training time (s)"),
+        "tokens": ("step", "training tokens (millions)")}  # tokens: step x train.batch_tokens
+
+
+def axis_scale(log: RunLogData, axis: str) -> float:
+    """Factor from the record's AXES key to the plotted value (tokens per step, in millions)."""
+    return log.config_value("train.batch_tokens") / 1e6 if axis == "tokens" else 1
+
+
+def has_batch_tokens(log: RunLogData) -> bool:
+    return isinstance(log.config.get("train", {}).get("batch_tokens"), int)
 
 
 def run_labels(logs: list[RunLogData]) -> list[str]:
@@ -50,8 +62,8 @@ def loss_figure(logs: list[RunLogData], labels: list[str], axis: str) -> Figure:
     key, xlabel = AXES[axis]
     fig, ax = plt.subplots(figsize=(8, 5))
     for log, label in zip(logs, labels):
-        steps = log.require_steps()
-        ax.plot([s[key] for s in steps], [s["loss"] for s in steps], label=label, linewidth=1.2)
+        steps, scale = log.require_steps(), axis_scale(log, axis)
+        ax.plot([s[key] * scale for s in steps], [s["loss"] for s in steps], label=label, linewidth=1.2)
     ax.set(xlabel=xlabel, ylabel="train loss (nats/token)", title=f"training loss vs {xlabel}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -65,14 +77,15 @@ def bpb_figure(logs: list[RunLogData], labels: list[str], axis: str) -> Figure |
     fig, ax = plt.subplots(figsize=(8, 5))
     drawn = False
     for log, label in zip(logs, labels):
-        curve = [(e[key], e["val_bpb"]) for e in log.evals if key in e]
+        scale = axis_scale(log, axis)
+        curve = [(e[key] * scale, e["val_bpb"]) for e in log.evals if key in e]
         final = final_point(log)
         color = None
         if curve:
             (line,) = ax.plot(*zip(*curve), label=label, linewidth=1.2, marker=".")
             color = line.get_color()
         if final is not None and final[key] is not None:
-            ax.plot([final[key]], [final["val_bpb"]], linestyle="none", marker="*", markersize=11, color=color,
+            ax.plot([final[key] * scale], [final["val_bpb"]], linestyle="none", marker="*", markersize=11, color=color,
                     label=f"{label} (artifact)" if curve else label)
         drawn = drawn or bool(curve) or final is not None
     if not drawn:
@@ -89,8 +102,9 @@ def bpb_figure(logs: list[RunLogData], labels: list[str], axis: str) -> Figure |
 def build_figures(logs: list[RunLogData]) -> dict[str, Figure]:
     """{file stem: figure}; a missing bpb figure means no run had a BPB to plot."""
     labels = run_labels(logs)
-    figures = {f"loss_vs_{axis}": loss_figure(logs, labels, axis) for axis in AXES}
-    for axis in AXES:
+    axes = [axis for axis in AXES if axis != "tokens" or all(map(has_batch_tokens, logs))]
+    figures = {f"loss_vs_{axis}": loss_figure(logs, labels, axis) for axis in axes}
+    for axis in axes:
         fig = bpb_figure(logs, labels, axis)
         if fig is not None:
             figures[f"bpb_vs_{axis}"] = fig

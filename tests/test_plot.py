@@ -11,11 +11,12 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def write_log(path: Path, run_id: str, losses: list[float], evals: dict[int, float] | None = None,
-              final_bpb: float | None = None, seconds_per_step: float = 0.5) -> Path:
+              final_bpb: float | None = None, seconds_per_step: float = 0.5, batch_tokens: int | None = None) -> Path:
     log = RunLog(path, enabled=True)
     log(f"run {run_id}  commit abc1234  world_size 1  device cpu")
     log('versions {"python": "3.11.7", "torch": "2.13.0+cpu", "triton": "3.9.0"}')
-    log('config {"train": {"seed": 1}}')
+    log('config {"train": {"seed": 1}}' if batch_tokens is None else
+        f'config {{"train": {{"seed": 1, "batch_tokens": {batch_tokens}}}}}')
     log("phase setup 1.0 s")
     for i, loss in enumerate(losses, start=1):
         log.record("step", step=i, loss=loss, lr_mult=1.0, tok_s=100, train_time_s=i * seconds_per_step,
@@ -79,6 +80,20 @@ def test_figures_overlay_runs_with_run_id_legend(tmp_path, capsys):
     assert [t.get_text() for t in figs["loss_vs_step"].axes[0].get_legend().get_texts()] == ["run-a", "run-b"]
 
 
+def test_tokens_axis_when_every_log_has_its_batch_size(tmp_path, capsys):
+    """Runs of different batch sizes (or GPU counts) compare per token: step x train.batch_tokens."""
+    a = write_log(tmp_path / "a.txt", "one-gpu", [3.0, 2.0, 1.5, 1.2], final_bpb=1.5, batch_tokens=1000)
+    b = write_log(tmp_path / "b.txt", "two-gpu", [3.1, 2.0], final_bpb=1.4, batch_tokens=2000)
+    logs = [parse_log(a), parse_log(b)]
+    capsys.readouterr()
+    figs = plot.build_figures(logs)
+    assert line_data(figs["loss_vs_tokens"]) == {"one-gpu": ([0.001, 0.002, 0.003, 0.004], [3.0, 2.0, 1.5, 1.2]),
+                                                 "two-gpu": ([0.002, 0.004], [3.1, 2.0])}
+    assert line_data(figs["bpb_vs_tokens"])["two-gpu"] == ([0.004], [1.4])
+    c = parse_log(write_log(tmp_path / "c.txt", "no-batch", [3.0, 2.0]))  # an old log: no tokens plots
+    assert "loss_vs_tokens" not in plot.build_figures([*logs, c])
+
+
 def test_same_run_id_in_two_folders_gets_distinct_labels(tmp_path, capsys):
     (tmp_path / "x").mkdir(), (tmp_path / "y").mkdir()
     logs = [parse_log(write_log(tmp_path / d / "t.txt", "tiny", [3.0, 2.0])) for d in ("x", "y")]
@@ -123,7 +138,7 @@ def test_log_without_steps_is_an_error_naming_the_file(tmp_path, capsys):
 
 def test_plots_of_real_train_py_logs(tiny_seed_runs, tmp_path, capsys):
     written = plot.main([*map(str, tiny_seed_runs.logs), "--out", str(tmp_path)])
-    assert len(written) == 4
+    assert len(written) == 6  # step, time and tokens axes (train.py logs carry train.batch_tokens)
     logs = [parse_log(p) for p in tiny_seed_runs.logs]
     figs = plot.build_figures(logs)
     bpb = line_data(figs["bpb_vs_step"])

@@ -92,6 +92,27 @@ def all_reduce_mean(tensor: Tensor) -> Tensor:
     return tensor
 
 
+class RankAgreement:
+    """The training clock and the stop request, made identical on every rank once per step.
+
+    Each rank reads its own wall clock, and a signal reaches ranks at different steps. Decisions taken
+    from them must still be alike on all ranks: a rank that stops while another starts the next step
+    waits forever in that step's all-reduce, and the time-driven learning rate must be the same for
+    replicated parameters. So every step the ranks take the latest clock and any stop request
+    (a MAX all-reduce of two numbers) over a CPU (gloo) group: no GPU synchronization in the step.
+    A single process returns its own values."""
+
+    def __init__(self, world: int):
+        self.group = dist.new_group(backend="gloo") if world > 1 else None
+
+    def __call__(self, now: float, stop: bool) -> tuple[float, bool]:
+        if self.group is None:
+            return now, stop
+        values = torch.tensor([now, float(stop)], dtype=torch.float64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        return values[0].item(), values[1].item() > 0
+
+
 class GradSync:
     """Handle of an in-flight gradient all-reduce; wait() writes the averages back into the .grad tensors."""
 

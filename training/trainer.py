@@ -16,7 +16,7 @@ import torch
 
 from training.checkpoint import Checkpointer, Resumed
 from training.config import Config
-from training.distributed import DistInfo, optimizer_step
+from training.distributed import DistInfo, RankAgreement, optimizer_step
 from training.optim import set_lr_and_momentum
 from training.schedule import lr_multiplier
 
@@ -92,17 +92,19 @@ def run_training(
     bar = ProgressBar(enabled=log.enabled and sys.stdout.isatty())
     completed, stopped_by, paused = start.step, "max_steps", 0.0
     last_log_time, last_log_step = start.train_time_s, start.step
+    agree = RankAgreement(dist.world_size)
     sync()
     t_start = time.perf_counter() - start.train_time_s
     clock = lambda: time.perf_counter() - t_start - paused  # noqa: E731  (training wall clock)
+    now, _ = agree(clock(), False)
     for step in range(start.step, t.max_steps):
         # No sync here: the CPU runs at most a few steps ahead of the GPU (bounded launch queue),
-        # and every log step below syncs, so the budget is met to within a step or two.
-        train_time = clock()
-        if budget and train_time >= budget:
+        # and every log step below syncs, so the budget is met to within a step or two. `now` is
+        # the clock all ranks agreed on at the end of the previous step.
+        if budget and now >= budget:
             stopped_by = "time_budget"
             break
-        progress = min(train_time / budget, 1.0) if t.schedule == "time" else step / t.max_steps
+        progress = min(now / budget, 1.0) if t.schedule == "time" else step / t.max_steps
         lr_mult = lr_multiplier(progress, step, cfg.optim)
         set_lr_and_momentum(optimizers, lr_mult, step, cfg.optim)
         loss = train_step(step_model, loader, optimizers, cfg, accum, dist.device)
@@ -130,6 +132,9 @@ def run_training(
             paused += time.perf_counter() - e0
             bar.clear()
             log.record("eval", step=completed, train_time_s=round(clock(), 2), **result)
+        now, stop = agree(clock(), checkpointer is not None and checkpointer.stop_requested)
+        if stop:  # a signal that reached any rank stops them all at this step
+            checkpointer.stop_requested = True
         if checkpointer is not None and checkpointer.should_save(completed):
             check_finite(loss, completed)  # never overwrite a good checkpoint with a diverged model
             sync()

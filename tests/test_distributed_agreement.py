@@ -1,0 +1,124 @@
+"""Ranks whose clocks disagree, or where a signal reaches one rank only, still stop at the same step,
+train with the same learning rates and hold identical weights (2 gloo processes, the real loop)."""
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from model.gpt import GPT
+from training import trainer
+from training.checkpoint import Checkpointer, complete_checkpoints
+from training.config import load_config
+from training.distributed import destroy, init_distributed
+from training.optim import build_optimizers
+from training.run_log import RunLog
+
+SKEW = 1.6  # rank 1's clock runs 60% fast: alone, it would stop after ~1/1.6 of rank 0's steps
+
+
+class SkewedTime:
+    """Stands in for the `time` module inside training.trainer on rank 1."""
+
+    def __init__(self, rate: float):
+        self.rate, self.origin = rate, time.perf_counter()
+
+    def perf_counter(self) -> float:
+        return self.origin + self.rate * (time.perf_counter() - self.origin)
+
+
+class RankLoader:
+    def __init__(self, rank: int):
+        self.g = torch.Generator().manual_seed(rank)
+
+    def next_batch(self):
+        ids = torch.randint(0, 64, (2, 17), generator=self.g)
+        return ids[:, :-1], ids[:, 1:]
+
+    def state_dict(self):
+        return {}
+
+
+class Recorder:
+    """The step function, recording the learning rate each optimizer step used; on `signal_rank`
+    it raises the checkpointer's stop request at call `signal_at` (as SIGTERM's handler would)."""
+
+    def __init__(self, model, optimizers, checkpointer=None, signal_at=None):
+        self.model, self.optimizers, self.checkpointer, self.signal_at = model, optimizers, checkpointer, signal_at
+        self.lrs, self.calls = [], 0
+
+    def __call__(self, x, y):
+        self.calls += 1
+        self.lrs.append(self.optimizers[0].param_groups[0]["lr"])
+        if self.calls == self.signal_at:
+            self.checkpointer.stop_requested = True
+        return self.model(x, y)
+
+
+def tiny(extra: list[str]):
+    cfg = load_config(None, ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
+                             "model.vocab_size=64", "data.seq_len=16", "train.batch_tokens=64",
+                             "train.micro_batch_seqs=2", "train.log_every=1000", *extra])
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    return cfg, model, build_optimizers(model.param_groups(), cfg.optim)
+
+
+def worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    info = init_distributed("cpu")
+    log = RunLog(os.path.join(out_dir, f"log{rank}.txt"), enabled=False)
+    out = {}
+    try:
+        if rank == 1:
+            trainer.time = SkewedTime(SKEW)
+        # 1. A wall-clock budget with a time-driven schedule.
+        cfg, model, opts = tiny(["train.max_steps=100000", "train.schedule=time", "train.time_budget_s=3"])
+        step = Recorder(model, opts)
+        result = trainer.run_training(cfg, model, step, RankLoader(rank), opts, None, info, log)
+        out["budget"] = dict(steps=result.steps, stopped_by=result.stopped_by, lrs=step.lrs,
+                             weights=[p.detach().double().sum().item() for p in model.parameters()])
+        # 2. A stop request that reaches rank 1 only, at its 4th step.
+        cfg, model, opts = tiny(["train.max_steps=40", "train.schedule=steps"])
+        ckpt = Checkpointer(Path(out_dir) / "ckpt", every_steps=0, keep=2, rank=rank, world_size=world)
+        step = Recorder(model, opts, ckpt, signal_at=4 if rank == 1 else None)
+        result = trainer.run_training(cfg, model, step, RankLoader(rank), opts, None, info, log, checkpointer=ckpt)
+        out["signal"] = dict(steps=result.steps, stopped_by=result.stopped_by)
+    finally:
+        trainer.time = time
+        destroy()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ranks_agree_on_the_clock_and_on_stop_requests(tmp_path):
+    ranks = mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False)
+    deadline = time.time() + 150
+    while not ranks.join(timeout=1):
+        if time.time() > deadline:  # one rank left a collective the other waits in: fail, don't hang
+            for proc in ranks.processes:
+                proc.kill()
+            pytest.fail("the ranks hung: they disagreed on when to stop (a rank waits in a collective alone)")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    budget0, budget1 = r0["budget"], r1["budget"]
+    assert budget0["stopped_by"] == budget1["stopped_by"] == "time_budget"
+    assert budget0["steps"] == budget1["steps"] > 5
+    assert budget0["lrs"] == budget1["lrs"]                      # the same schedule, step by step
+    assert budget0["lrs"][-1] < budget0["lrs"][len(budget0["lrs"]) // 4]  # and it did decay with time
+    assert budget0["weights"] == budget1["weights"]              # replicated weights stayed identical
+    assert r0["signal"] == r1["signal"] == {"steps": 4, "stopped_by": "signal"}
+    saved = complete_checkpoints(tmp_path / "ckpt")
+    assert [c.name for c in saved] == ["step_00000004"]
+    assert sorted(p.name for p in saved[0].glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
