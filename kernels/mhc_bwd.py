@@ -241,8 +241,10 @@ SINKHORN_SEGMENT = 5           # Sinkhorn checkpoint spacing, ~sqrt(20 rounds); 
 
 # Block sizes: the fastest of scripts/bench_kernels.py mhc --sweep on an H100.
 def coef_bwd_config(device: torch.device) -> dict:
-    """premix_grad block sizes; the per-token kernel runs one token per thread."""
-    return dict(BT=32, BC=128, num_warps=8) if device.type == "cuda" else dict(BT=16, BC=32, num_warps=4)
+    """premix_grad block sizes, and TOKENS per coef_bwd program (one token per thread on a GPU)."""
+    if device.type == "cuda":
+        return dict(BT=32, BC=128, num_warps=8, TOKENS=TOKENS_PER_THREAD_BLOCK)
+    return dict(BT=16, BC=32, num_warps=4, TOKENS=16)
 
 
 # The fastest of scripts/bench_kernels.py mhc --sweep on an H100 (session 4): stream_bwd 1.23 ms at
@@ -261,9 +263,9 @@ def launch_coef_bwd(launch, xs, du, dh_post, dh_res, raw, rinv, alpha, bias, ite
     N, NP = num_coefficients(n), padded_columns(n)
     cfg = dict(coef_bwd_config(xs.device) if cfg is None else cfg)
     BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"), n)
+    token_block = cfg.pop("TOKENS", TOKENS_PER_THREAD_BLOCK if xs.is_cuda else 16)
     dh_pre = torch.empty((T, n), device=xs.device, dtype=torch.float32)
     launch(premix_grad_kernel)[(triton.cdiv(T, BT),)](xs, du, dh_pre, T, C, n=n, BT=BT, BC=BC, **cfg)
-    token_block = TOKENS_PER_THREAD_BLOCK if xs.is_cuda else 16
     programs = triton.cdiv(T, token_block)
     aux = torch.empty((T, NP), device=xs.device, dtype=torch.float32)
     part = torch.empty((programs, N + 3), device=xs.device, dtype=torch.float32)
