@@ -12,7 +12,7 @@ Three passes, because every stream gradient needs dH_pre, a reduction over all n
     channels (dH_res, dH_post) finish in the program's registers.
   dphi: d(phi) = x'^T G, a skinny product over all tokens, as per-program partials summed afterwards.
     It reads x' once more; folding it into stream_bwd (an [n*C, N] accumulator per program) spilled
-    registers and ran that kernel at 28% of the copy bandwidth (H100, ncu, session 4).
+    registers and ran that kernel at 28% of peak DRAM throughput (H100, ncu, session 4).
 """
 from __future__ import annotations
 
@@ -248,7 +248,8 @@ def coef_bwd_config(device: torch.device) -> dict:
 
 
 # The fastest of scripts/bench_kernels.py mhc --sweep on an H100 (session 4): stream_bwd 1.23 ms at
-# 98,304 tokens (BT=32: 2.11 ms, spilling); dphi within 10% across its configurations.
+# 98,304 tokens (BT=32: 2.11 ms, spilling more); dphi within 10% across its configurations. Even
+# BT=16 sits at 255 registers with 72 B of spills (scripts/kernel_resources.py): open work.
 def stream_bwd_config(device: torch.device) -> dict:
     return dict(BT=16, BC=64, num_warps=4) if device.type == "cuda" else dict(BT=16, BC=32, num_warps=4)
 
@@ -303,6 +304,9 @@ def launch_stream_bwd(launch, x, y, h_res, h_post, dx_new, du, aux, phi, cfg: di
 def launch_dphi(launch, xs, aux, cfg: dict | None = None):
     """d(phi) [n*C, N] of the coefficient projection, from the streams it read (x' [T, n, C]) and G in aux."""
     T, n, C = xs.shape
+    if not xs.is_contiguous():
+        raise ValueError(f"launch_dphi: x' must be contiguous [T, n, C] (the kernel reads it as [T, n*C]), got "
+                         f"strides {xs.stride()}; hint: pass x.contiguous()")
     N, NP, K = num_coefficients(n), padded_columns(n), n * C
     cfg = dict(dphi_config(xs.device) if cfg is None else cfg)
     BT, BK = cfg.pop("BT"), cfg.pop("BK")

@@ -10,8 +10,9 @@ of the eager PyTorch reference, torch.compile of the reference, and the Triton k
 compared with the floor set by the bytes that must move (printed per token) at the device-to-device
 copy bandwidth measured in the same run. `--sweep` also times each Triton kernel alone under several
 block configurations. `--profile-once` times nothing: it runs the Triton unit's forward and backward
-twice (the first compiles) for a profiler to read, e.g.
-    ncu --clock-control none --launch-skip 4 --launch-count 4 python scripts/bench_kernels.py mhc --profile-once
+twice (the first compiles) for a profiler to read; the five mHC kernels of the second run are
+    ncu --clock-control none --kernel-name regex:"coef_premix|premix_grad|coef_bwd|stream_bwd|dphi"
+        --launch-skip 5 --launch-count 5 python scripts/bench_kernels.py mhc --tokens 98304 --profile-once
 """
 from __future__ import annotations
 
@@ -141,8 +142,8 @@ IMPL_LABELS = {"eager": "eager reference", "compiled": "compiled reference", "tr
 
 def profile_once(T: int, n: int, C: int) -> None:
     """Forward + backward of the Triton unit, twice: the first run compiles, the second is the one to
-    profile (4 kernel launches in the forward+backward of mhc_post_pre: coef_premix, premix_grad,
-    coef_bwd, stream_bwd)."""
+    profile (5 kernel launches in the forward+backward of mhc_post_pre: coef_premix, premix_grad,
+    coef_bwd, stream_bwd, dphi)."""
     from kernels import mhc as K
     leaves = [t.detach().clone().requires_grad_() for t in make_inputs(T, n, C)]
     for _ in range(2):

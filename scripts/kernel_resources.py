@@ -172,6 +172,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.n < 2 or args.n & (args.n - 1) or args.C <= 0 or args.C % 16 or args.tokens <= 0:
         p.error(f"--n must be a power of two >= 2, --C a positive multiple of 16 and --tokens positive; got "
                 f"n={args.n} C={args.C} tokens={args.tokens}")
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise SystemExit("kernel_resources.py: TRITON_INTERPRET=1 builds interpreted kernels, which do not compile; "
+                         "hint: run it with the variable unset (env -u TRITON_INTERPRET ...)")
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what the GPU machine's Triton does by default
     try:
         import triton.backends.nvidia.compiler  # noqa: F401

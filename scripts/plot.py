@@ -103,6 +103,9 @@ def build_figures(logs: list[RunLogData]) -> dict[str, Figure]:
     """{file stem: figure}; a missing bpb figure means no run had a BPB to plot."""
     labels = run_labels(logs)
     axes = [axis for axis in AXES if axis != "tokens" or all(map(has_batch_tokens, logs))]
+    if "tokens" not in axes:
+        missing = next(log.source for log in logs if not has_batch_tokens(log))
+        print(f"plot: no tokens plots: {missing} has no train.batch_tokens in its config line", file=sys.stderr)
     figures = {f"loss_vs_{axis}": loss_figure(logs, labels, axis) for axis in axes}
     for axis in axes:
         fig = bpb_figure(logs, labels, axis)

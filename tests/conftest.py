@@ -1,9 +1,17 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files, and the session's Triton mode."""
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # One Triton mode for the whole session, set before any test module imports triton: Triton makes
+    # each @triton.jit function (its own standard library's included) interpreted or compiled when it
+    # is decorated, so a module that imported triton first would leave the interpreter half built.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from data.demo import make_demo
 

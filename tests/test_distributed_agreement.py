@@ -1,5 +1,6 @@
-"""Ranks whose clocks disagree, or where a signal reaches one rank only, still stop at the same step,
-train with the same learning rates and hold identical weights (2 gloo processes, the real loop)."""
+"""Ranks whose clocks disagree, or where a signal reaches one rank only (before or after the step's
+agreement), still stop and checkpoint at the same step, train with the same learning rates and hold
+identical weights (2 gloo processes, the real loop)."""
 import json
 import os
 import socket
@@ -14,7 +15,7 @@ from model.gpt import GPT
 from training import trainer
 from training.checkpoint import Checkpointer, complete_checkpoints
 from training.config import load_config
-from training.distributed import destroy, init_distributed
+from training.distributed import RankAgreement, destroy, init_distributed
 from training.optim import build_optimizers
 from training.run_log import RunLog
 
@@ -59,6 +60,22 @@ class Recorder:
         return self.model(x, y)
 
 
+class LateSignal(RankAgreement):
+    """A signal that lands right after the ranks agreed (on call `at`): this step's decisions must
+    ignore it on this rank too, and all ranks act on it at the next step."""
+
+    def __init__(self, world: int, checkpointer: Checkpointer, at: int):
+        super().__init__(world)
+        self.checkpointer, self.at, self.calls = checkpointer, at, 0
+
+    def __call__(self, now: float, stop: bool) -> tuple[float, bool]:
+        agreed = super().__call__(now, stop)
+        self.calls += 1
+        if self.calls == self.at:
+            self.checkpointer.stop_requested = True
+        return agreed
+
+
 def tiny(extra: list[str]):
     cfg = load_config(None, ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
                              "model.vocab_size=64", "data.seq_len=16", "train.batch_tokens=64",
@@ -79,9 +96,11 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
         if rank == 1:
             trainer.time = SkewedTime(SKEW)
         # 1. A wall-clock budget with a time-driven schedule.
+        # A checkpointer whose period is never reached: only the final checkpoint is written.
         cfg, model, opts = tiny(["train.max_steps=100000", "train.schedule=time", "train.time_budget_s=3"])
         step = Recorder(model, opts)
-        result = trainer.run_training(cfg, model, step, RankLoader(rank), opts, None, info, log)
+        ckpt = Checkpointer(Path(out_dir) / "final", every_steps=10**6, keep=2, rank=rank, world_size=world)
+        result = trainer.run_training(cfg, model, step, RankLoader(rank), opts, None, info, log, checkpointer=ckpt)
         out["budget"] = dict(steps=result.steps, stopped_by=result.stopped_by, lrs=step.lrs,
                              weights=[p.detach().double().sum().item() for p in model.parameters()])
         # 2. A stop request that reaches rank 1 only, at its 4th step.
@@ -90,8 +109,17 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
         step = Recorder(model, opts, ckpt, signal_at=4 if rank == 1 else None)
         result = trainer.run_training(cfg, model, step, RankLoader(rank), opts, None, info, log, checkpointer=ckpt)
         out["signal"] = dict(steps=result.steps, stopped_by=result.stopped_by)
+        # 3. A stop request that reaches rank 1 right after the 4th agreement (the end of step 3).
+        cfg, model, opts = tiny(["train.max_steps=40", "train.schedule=steps"])
+        ckpt = Checkpointer(Path(out_dir) / "late", every_steps=0, keep=2, rank=rank, world_size=world)
+        if rank == 1:
+            trainer.RankAgreement = lambda world: LateSignal(world, ckpt, at=4)
+        result = trainer.run_training(cfg, model, Recorder(model, opts), RankLoader(rank), opts, None, info, log,
+                                      checkpointer=ckpt)
+        out["late_signal"] = dict(steps=result.steps, stopped_by=result.stopped_by)
     finally:
         trainer.time = time
+        trainer.RankAgreement = RankAgreement
         destroy()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
@@ -118,7 +146,12 @@ def test_ranks_agree_on_the_clock_and_on_stop_requests(tmp_path):
     assert budget0["lrs"] == budget1["lrs"]                      # the same schedule, step by step
     assert budget0["lrs"][-1] < budget0["lrs"][len(budget0["lrs"]) // 4]  # and it did decay with time
     assert budget0["weights"] == budget1["weights"]              # replicated weights stayed identical
+    final = complete_checkpoints(tmp_path / "final")
+    assert [c.name for c in final] == [f"step_{budget0['steps']:08d}"]  # the run's end, saved by both ranks
+    assert sorted(p.name for p in final[0].glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
     assert r0["signal"] == r1["signal"] == {"steps": 4, "stopped_by": "signal"}
+    assert r0["late_signal"] == r1["late_signal"] == {"steps": 4, "stopped_by": "signal"}
+    assert [c.name for c in complete_checkpoints(tmp_path / "late")] == ["step_00000004"]
     saved = complete_checkpoints(tmp_path / "ckpt")
     assert [c.name for c in saved] == ["step_00000004"]
     assert sorted(p.name for p in saved[0].glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]

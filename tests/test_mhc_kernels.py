@@ -114,6 +114,35 @@ def test_chain_of_sublayers_matches_reference():
 
 
 @interpreted
+def test_phi_as_the_models_transposed_view_gives_the_same_values_and_gradient():
+    """The model stores phi as [N, n*C] and passes phi.t() (the kernels' operand layout, no copy)."""
+    inp = make_inputs(4, 48, (23,), seed=7)
+    stored = inp["phi"].t().contiguous().requires_grad_()
+    as_view = dict(inp, phi=stored.t())
+    outs, grads = outputs_and_grads(K, "post_pre", as_view)
+    ref_outs, ref_grads = outputs_and_grads(R, "post_pre", inp)
+    for o, r in zip(outs, ref_outs):
+        assert rel(o, r) < 1e-5
+    assert rel(grads["phi"], ref_grads["phi"]) < 1e-5
+
+
+@interpreted
+@pytest.mark.parametrize("n,C,T,cfg", [(2, 48, 37, dict(BT=16, BK=64, num_warps=4)),  # K=96: a partial d(phi) tile
+                                       (4, 48, 70, dict(BT=16, BK=32, num_warps=4, splits=9))])  # splits > blocks
+def test_dphi_kernel_is_xT_G_for_any_shape(n, C, T, cfg):
+    from kernels._triton_util import padded_columns
+    from kernels.mhc_bwd import launch_dphi
+    g = torch.Generator().manual_seed(n)
+    N, NP = R.mhc_num_coefficients(n), padded_columns(n)
+    xs, aux = torch.randn(T, n, C, generator=g), torch.randn(T, NP, generator=g)
+    dphi = launch_dphi(lambda kernel: kernel, xs, aux, dict(cfg))
+    assert dphi.shape == (n * C, N)
+    assert rel(dphi, xs.reshape(T, n * C).T.double() @ aux[:, :N].double()) < 1e-5
+    with pytest.raises(ValueError, match="must be contiguous"):
+        launch_dphi(lambda kernel: kernel, xs.transpose(0, 1), aux, dict(cfg))
+
+
+@interpreted
 def test_unused_outputs_get_zero_gradients():
     """Autograd passes None for unused outputs; the backward must treat them as zeros."""
     inp = make_inputs(4, 48, (19,))

@@ -91,7 +91,9 @@ def test_tokens_axis_when_every_log_has_its_batch_size(tmp_path, capsys):
                                                  "two-gpu": ([0.002, 0.004], [3.1, 2.0])}
     assert line_data(figs["bpb_vs_tokens"])["two-gpu"] == ([0.004], [1.4])
     c = parse_log(write_log(tmp_path / "c.txt", "no-batch", [3.0, 2.0]))  # an old log: no tokens plots
+    capsys.readouterr()
     assert "loss_vs_tokens" not in plot.build_figures([*logs, c])
+    assert "c.txt has no train.batch_tokens" in capsys.readouterr().err
 
 
 def test_same_run_id_in_two_folders_gets_distinct_labels(tmp_path, capsys):

@@ -69,8 +69,10 @@ class Checkpointer:
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)
 
-    def should_save(self, step: int) -> bool:
-        return (self.every > 0 and step % self.every == 0) or self.stop_requested
+    def is_periodic(self, step: int) -> bool:
+        """A checkpoint step by the schedule alone. A stop request is a separate decision: the ranks
+        agree on it first (training.distributed.RankAgreement), since it reaches each at its own time."""
+        return self.every > 0 and step % self.every == 0
 
     def save(self, step: int, train_time_s: float, model, optimizers, ema, loader) -> Path:
         final = self.dir / f"step_{step:08d}"

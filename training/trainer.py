@@ -132,30 +132,30 @@ def run_training(
             paused += time.perf_counter() - e0
             bar.clear()
             log.record("eval", step=completed, train_time_s=round(clock(), 2), **result)
+        # Every decision below comes from agreed values only: a signal that reaches one rank now
+        # (even during the save) is acted on by all ranks after the next agreement.
         now, stop = agree(clock(), checkpointer is not None and checkpointer.stop_requested)
-        if stop:  # a signal that reached any rank stops them all at this step
-            checkpointer.stop_requested = True
-        if checkpointer is not None and checkpointer.should_save(completed):
+        if checkpointer is not None and (stop or checkpointer.is_periodic(completed)):
             check_finite(loss, completed)  # never overwrite a good checkpoint with a diverged model
             sync()
             c0 = time.perf_counter()
             path = checkpointer.save(completed, clock(), model, optimizers, ema, loader)
             paused += time.perf_counter() - c0
             log(f"checkpoint {path} (step {completed}, {time.perf_counter() - c0:.1f} s)")
-            if checkpointer.stop_requested:
+            if stop:  # a signal that reached any rank stops them all at this step
                 stopped_by = "signal"
                 break
+    sync()
+    train_time = clock()
     if checkpointer is not None and checkpointer.every > 0 and completed > start.step \
-            and not checkpointer.should_save(completed):
+            and stopped_by != "signal" and not checkpointer.is_periodic(completed):
         # A run that checkpoints also leaves its final state (what it ships), whatever stopped it:
         # scripts/bench_quant.py re-quantizes it, and resume=latest continues from it.
         check_finite(loss, completed)
-        sync()
-        log(f"checkpoint {checkpointer.save(completed, clock(), model, optimizers, ema, loader)} "
+        log(f"checkpoint {checkpointer.save(completed, train_time, model, optimizers, ema, loader)} "
             f"(step {completed}, final)")
-    sync()
     bar.clear()
-    return TrainResult(steps=completed, train_time_s=clock(), tokens=completed * tokens_per_step,
+    return TrainResult(steps=completed, train_time_s=train_time, tokens=completed * tokens_per_step,
                        stopped_by=stopped_by)
 
 
