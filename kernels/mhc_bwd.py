@@ -130,7 +130,7 @@ def stream_bwd_kernel(
     """One program owns BT tokens and walks their channels in tiles of BC, so the per-token sums over
     channels (dH_res, dH_post) finish in registers and are stored once. No d(phi) here (dphi_kernel):
     its [n*C, N] accumulator is what spilled the channel-major version of this kernel.
-    LOWP (bf16 streams): G phi^T takes bf16 operands (fp32 accumulate)."""
+    LOWP (bf16 streams): G phi^T takes operands in the stream dtype (fp32 accumulate)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -148,7 +148,7 @@ def stream_bwd_kernel(
         col = tl.arange(0, NP)
         g = tl.load(aux_ptr + t64[:, None] * NP + col[None, :], mask=tmask[:, None] & (col < N)[None, :], other=0.0)
         if LOWP:
-            g = g.to(tl.bfloat16)
+            g = g.to(phit_ptr.dtype.element_ty)
         rms_factor = tl.load(aux_ptr + t64 * NP + N, mask=tmask, other=0.0)
         h_pre = ()
         for i in tl.static_range(n):
@@ -227,7 +227,7 @@ def dphi_kernel(xs_ptr, aux_ptr, part_ptr, T, K,
         xt = tl.load(xs_ptr + t64[:, None] * K + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
         g = tl.load(aux_ptr + t64[:, None] * NP + col[None, :], mask=tmask[:, None] & (col < N)[None, :], other=0.0)
         if LOWP:
-            acc += tl.dot(tl.trans(xt.to(tl.bfloat16)), g.to(tl.bfloat16))
+            acc += tl.dot(tl.trans(xt), g.to(xs_ptr.dtype.element_ty))
         else:
             acc += tl.dot(tl.trans(xt.to(tl.float32)), g)
     tl.store(part_ptr + pid_s.to(tl.int64) * K * NP + k[:, None] * NP + col[None, :], acc, mask=kmask[:, None])
@@ -291,7 +291,7 @@ def launch_stream_bwd(launch, x, y, h_res, h_post, dx_new, du, aux, phi, cfg: di
     dh_res = torch.empty((T, n, n), **f32) if apply else None
     dh_post = torch.empty((T, n), **f32) if apply else None
     # phi^T [N, n*C], the model's storage layout (no copy there), in the dot's operand dtype
-    phit = phi.t().to(torch.bfloat16 if lowp else torch.float32).contiguous() if coef else None
+    phit = phi.t().to(x.dtype if lowp else torch.float32).contiguous() if coef else None
     dummy = dx
     launch(stream_bwd_kernel)[(triton.cdiv(T, BT),)](
         x, y if apply else dummy, h_res if apply else dummy, h_post if apply else dummy,
