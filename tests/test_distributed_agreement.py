@@ -97,7 +97,8 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
             trainer.time = SkewedTime(SKEW)
         # 1. A wall-clock budget with a time-driven schedule.
         # A checkpointer whose period is never reached: only the final checkpoint is written.
-        cfg, model, opts = tiny(["train.max_steps=100000", "train.schedule=time", "train.time_budget_s=3"])
+        cfg, model, opts = tiny(["train.max_steps=100000", "train.schedule=time", "train.time_budget_s=3",
+                                 "optim.warmup_steps=0"])  # the LR then follows the clock alone
         step = Recorder(model, opts)
         ckpt = Checkpointer(Path(out_dir) / "final", every_steps=10**6, keep=2, rank=rank, world_size=world)
         result = trainer.run_training(cfg, model, step, RankLoader(rank), opts, None, info, log, checkpointer=ckpt)
@@ -142,9 +143,9 @@ def test_ranks_agree_on_the_clock_and_on_stop_requests(tmp_path):
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     budget0, budget1 = r0["budget"], r1["budget"]
     assert budget0["stopped_by"] == budget1["stopped_by"] == "time_budget"
-    assert budget0["steps"] == budget1["steps"] > 5
+    assert budget0["steps"] == budget1["steps"] >= 3
     assert budget0["lrs"] == budget1["lrs"]                      # the same schedule, step by step
-    assert budget0["lrs"][-1] < budget0["lrs"][len(budget0["lrs"]) // 4]  # and it did decay with time
+    assert budget0["lrs"][-1] < budget0["lrs"][0]                # and it decayed with the (agreed) clock
     assert budget0["weights"] == budget1["weights"]              # replicated weights stayed identical
     final = complete_checkpoints(tmp_path / "final")
     assert [c.name for c in final] == [f"step_{budget0['steps']:08d}"]  # the run's end, saved by both ranks
