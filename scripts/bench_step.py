@@ -2,10 +2,15 @@
 
     python scripts/bench_step.py [--config configs/h100_short.toml] [--steps 30] [--warmup 5]
                                  [--variants n4-kernels,n4-ref,n1-kernels,n1-ref | all] [override ...]
+    torchrun --standalone --nproc_per_node=2 scripts/bench_step.py ... train.batch_tokens=196608
 
 Each variant builds the config's model with mHC on (n_streams=4) or off (1) and the Triton kernels
 on or off, compiles the step like train.py (train.compile), and times `--steps` optimizer steps on
 random tokens after `--warmup` steps (compilation happens there). Prints a markdown table.
+
+Under torchrun every rank runs the same step as train.py does: gradient averaging and sharded Muon.
+tokens/s is the global rate. train.batch_tokens is the global batch, so pass N x 98,304 to keep each
+GPU's share of the one-GPU step; the ratio to the one-GPU row is then the scaling factor.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ if str(REPO) not in sys.path:
 
 from model.gpt import GPT  # noqa: E402
 from training.config import load_config  # noqa: E402
+from training.distributed import DistInfo, destroy, init_distributed, print0  # noqa: E402
 from training.optim import build_optimizers  # noqa: E402
 from training.trainer import grad_accum_steps, peak_flops, train_step, training_flops_per_token  # noqa: E402
 
@@ -43,22 +49,23 @@ DEFAULT_VARIANTS = ("n4-kernels", "n4-ref", "n1-kernels", "n1-ref")
 class RandomTokens:
     """Random batches already on the device: measures the step, not the loader."""
 
-    def __init__(self, batch_seqs: int, seq_len: int, vocab: int, device: torch.device):
-        self.x = torch.randint(0, vocab, (batch_seqs, seq_len + 1), device=device)
+    def __init__(self, batch_seqs: int, seq_len: int, vocab: int, device: torch.device, rank: int = 0):
+        g = torch.Generator().manual_seed(rank)  # each rank its own tokens, as a sharded loader gives
+        self.x = torch.randint(0, vocab, (batch_seqs, seq_len + 1), generator=g).to(device)
 
     def next_batch(self):
         return self.x[:, :-1], self.x[:, 1:]
 
 
-def bench_variant(config: str, overrides: list[str], steps: int, warmup: int) -> dict:
+def bench_variant(config: str, overrides: list[str], steps: int, warmup: int, dist: DistInfo) -> dict:
     cfg = load_config(config, overrides)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = dist.device
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
     opts = build_optimizers(model.param_groups(), cfg.optim)
     step_model = torch.compile(model) if cfg.train.compile else model
-    loader = RandomTokens(cfg.train.micro_batch_seqs, cfg.data.seq_len, cfg.model.vocab_size, device)
-    accum = grad_accum_steps(cfg, 1)
+    loader = RandomTokens(cfg.train.micro_batch_seqs, cfg.data.seq_len, cfg.model.vocab_size, device, dist.rank)
+    accum = grad_accum_steps(cfg, dist.world_size)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     for _ in range(warmup):
@@ -73,8 +80,8 @@ def bench_variant(config: str, overrides: list[str], steps: int, warmup: int) ->
     sync()
     seconds = (time.perf_counter() - t0) / steps
     tok_s = cfg.train.batch_tokens / seconds
-    peak = peak_flops(device)
-    return {
+    peak = peak_flops(device) * dist.world_size
+    return {"ranks": dist.world_size,
         "params": sum(p.numel() for p in model.parameters()), "ms_step": 1000 * seconds, "tok_s": tok_s,
         "mfu": 100 * training_flops_per_token(model, cfg) * tok_s / peak if peak else float("nan"),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"),
@@ -95,14 +102,19 @@ def main(argv=None) -> list[dict]:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    device = load_config(a.config, a.overrides).train.device
+    dist = init_distributed(device)
     rows = []
-    print("| variant | params | ms/step | tokens/s | MFU % | peak GiB | warm-up s | last loss |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name in names:
-        r = bench_variant(a.config, a.overrides + VARIANTS[name], a.steps, a.warmup)
-        rows.append({"variant": name, **r})
-        print(f"| {name} | {r['params']:,} | {r['ms_step']:.1f} | {r['tok_s']:,.0f} | {r['mfu']:.1f} | "
-              f"{r['peak_gib']:.1f} | {r['warmup_s']:.1f} | {r['loss']:.3f} |", flush=True)
+    print0("| variant | ranks | params | ms/step | tokens/s | MFU % | peak GiB (rank 0) | warm-up s | last loss |")
+    print0("|---|---|---|---|---|---|---|---|---|")
+    try:
+        for name in names:
+            r = bench_variant(a.config, a.overrides + VARIANTS[name], a.steps, a.warmup, dist)
+            rows.append({"variant": name, **r})
+            print0(f"| {name} | {r['ranks']} | {r['params']:,} | {r['ms_step']:.1f} | {r['tok_s']:,.0f} | "
+                   f"{r['mfu']:.1f} | {r['peak_gib']:.1f} | {r['warmup_s']:.1f} | {r['loss']:.3f} |", flush=True)
+    finally:
+        destroy()
     return rows
 
 
