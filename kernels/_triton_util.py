@@ -47,21 +47,31 @@ def _col_sums(m, n: tl.constexpr):
     return sums
 
 
+# Scaling multiplies by n reciprocals instead of dividing n*n times: an IEEE division is a long
+# instruction sequence, and with divisions coef_bwd needed 255 registers and spilled; with reciprocals
+# 184 and no spills (sm_90, scripts/kernel_resources.py). Results differ from division by an ulp or two.
+
 @triton.jit
 def _scale_rows(m, s, n: tl.constexpr):
     """m[i, j] / s[i]."""
+    inv = ()
+    for i in tl.static_range(n):
+        inv = inv + (1.0 / s[i],)
     out = ()
     for ij in tl.static_range(n * n):
-        out = out + (m[ij] / s[ij // n],)
+        out = out + (m[ij] * inv[ij // n],)
     return out
 
 
 @triton.jit
 def _scale_cols(m, s, n: tl.constexpr):
     """m[i, j] / s[j]."""
+    inv = ()
+    for j in tl.static_range(n):
+        inv = inv + (1.0 / s[j],)
     out = ()
     for ij in tl.static_range(n * n):
-        out = out + (m[ij] / s[ij % n],)
+        out = out + (m[ij] * inv[ij % n],)
     return out
 
 
