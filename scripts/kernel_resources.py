@@ -129,7 +129,7 @@ def unit_launches(T: int, n: int, C: int, configs: dict) -> list[tuple]:
     return rec.launches
 
 
-def describe(kernel, kwargs: dict) -> str:
+def describe(kwargs: dict) -> str:
     keys = ("APPLY", "COEF", "BT", "BC", "BK", "LOWP", "num_warps", "num_stages")
     return ",".join(f"{k}={int(kwargs[k]) if isinstance(kwargs[k], bool) else kwargs[k]}" for k in keys if k in kwargs)
 
@@ -153,7 +153,7 @@ def rows(T: int, n: int, C: int, arch: int, sweep: bool) -> list[dict]:
     seen, out = set(), []
     for plan in plans:
         for kernel, args, kwargs in unit_launches(T, n, C, plan):
-            key = (kernel_name(kernel), describe(kernel, kwargs))
+            key = (kernel_name(kernel), describe(kwargs))
             if key in seen:
                 continue
             seen.add(key)

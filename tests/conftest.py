@@ -1,6 +1,7 @@
 """Fixtures shared by several test files, and the session's Triton mode."""
 import json
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from data.demo import make_demo
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port free on this machine now: MASTER_PORT for the multi-process (gloo) tests."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

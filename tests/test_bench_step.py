@@ -14,9 +14,8 @@ TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_h
 
 @pytest.mark.slow  # ~70 s on 2 cores: the kernel variants run their Triton kernels in the interpreter
 def test_every_variant_runs_and_reports(capsys):
-    tiny = TINY
     rows = bench_step.main(["--config", str(bench_step.REPO / "configs/demo.toml"), "--steps", "2", "--warmup", "1",
-                            "--variants", "all", *tiny])
+                            "--variants", "all", *TINY])
     assert [r["variant"] for r in rows] == list(bench_step.VARIANTS)
     assert all(r["tok_s"] > 0 and math.isfinite(r["loss"]) for r in rows)
     params = {r["variant"]: r["params"] for r in rows}

@@ -3,7 +3,6 @@ agreement), still stop and checkpoint at the same step, train with the same lear
 identical weights (2 gloo processes, the real loop)."""
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -126,14 +125,9 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
         json.dump(out, f)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def test_ranks_agree_on_the_clock_and_on_stop_requests(tmp_path):
-    ranks = mp.spawn(worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=False)
+def test_ranks_agree_on_the_clock_and_on_stop_requests(tmp_path, free_port):
+    ranks = mp.spawn(worker, args=(2, free_port, str(tmp_path)), nprocs=2, join=False)
     deadline = time.time() + 150
     while not ranks.join(timeout=1):
         if time.time() > deadline:  # one rank left a collective the other waits in: fail, don't hang

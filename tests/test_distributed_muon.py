@@ -1,6 +1,5 @@
 """Sharded Muon + bucketed all-reduce on 2 and 3 gloo processes == one process stepping on the averaged grads."""
 import os
-import socket
 
 import pytest
 import torch
@@ -93,11 +92,6 @@ def single_process_reference(shapes, world: int):
     return [p.detach() for p in model.parameters()], torch.stack(norms)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize("world,shapes", [
     # 6 matrices: 3 x (8, 8) -> one padded chunk; (16, 8), (16, 16), (8, 16) alone -> rank 1 idle there.
@@ -105,8 +99,8 @@ def free_port() -> int:
     # 7 matrices on 3 ranks: 5 x (8, 8) -> two chunks, one padded; (12, 8), (8, 12) alone.
     (3, [(8, 8), (12, 8), (8, 12), (8, 8), (8, 8), (8, 8), (8, 8)]),
 ])
-def test_sharded_step_equals_single_process_on_averaged_grads(tmp_path, capfd, world, shapes):
-    mp.spawn(worker, args=(world, free_port(), str(tmp_path), shapes), nprocs=world, join=True)
+def test_sharded_step_equals_single_process_on_averaged_grads(tmp_path, capfd, world, shapes, free_port):
+    mp.spawn(worker, args=(world, free_port, str(tmp_path), shapes), nprocs=world, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     ref_params, ref_norms = single_process_reference(shapes, world)
     assert (ref_norms > CFG.grad_clip).all()  # the clip was active on every step

@@ -1,7 +1,6 @@
 """End to end on CPU: train.py on a tiny demo corpus; distributed steps equal single-process steps."""
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -93,15 +92,10 @@ def run_steps(rank: int, world: int, port: int, n_steps: int, out: str) -> None:
             dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
-
-def test_two_ranks_reproduce_one_process_at_the_same_global_batch(tmp_path):
+def test_two_ranks_reproduce_one_process_at_the_same_global_batch(tmp_path, free_port):
     run_steps(0, 1, 0, 3, str(tmp_path / "one.pt"))
-    mp.spawn(run_steps, args=(2, free_port(), 3, str(tmp_path / "two.pt")), nprocs=2, join=True)
+    mp.spawn(run_steps, args=(2, free_port, 3, str(tmp_path / "two.pt")), nprocs=2, join=True)
     one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     assert one["losses"] == pytest.approx(two["losses"], rel=1e-5)
     # Summation order differs (micro-batches vs ranks) and Newton-Schulz amplifies it a little: a
