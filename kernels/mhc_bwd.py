@@ -247,15 +247,17 @@ def coef_bwd_config(device: torch.device) -> dict:
     return dict(BT=16, BC=32, num_warps=4, TOKENS=16)
 
 
-# The fastest of scripts/bench_kernels.py mhc --sweep on an H100 (session 4): stream_bwd 1.23 ms at
-# 98,304 tokens (BT=32: 2.11 ms, spilling more); dphi within 10% across its configurations. Even
-# BT=16 sits at 255 registers with 72 B of spills (scripts/kernel_resources.py): open work.
+# stream_bwd: the fastest of scripts/bench_kernels.py mhc --sweep on an H200 (session 5): 0.79 ms at 98,304
+# tokens with 32 tokens x 16 channels per program on 2 warps, against 1.23 ms for session 4's 16 x 64 on 4
+# warps. Both sit at 255 registers with a little spill (scripts/kernel_resources.py); the narrow tile
+# needs fewer shuffles and layout barriers per token, and two-warp programs let more of them share an SM.
+# dphi: 32-token blocks, 0.114 ms against 0.135 for 64.
 def stream_bwd_config(device: torch.device) -> dict:
-    return dict(BT=16, BC=64, num_warps=4) if device.type == "cuda" else dict(BT=16, BC=32, num_warps=4)
+    return dict(BT=32, BC=16, num_warps=2) if device.type == "cuda" else dict(BT=16, BC=32, num_warps=4)
 
 
 def dphi_config(device: torch.device) -> dict:
-    return dict(BT=64, BK=128, num_warps=4) if device.type == "cuda" else dict(BT=16, BK=32, num_warps=4)
+    return dict(BT=32, BK=128, num_warps=4) if device.type == "cuda" else dict(BT=16, BK=32, num_warps=4)
 
 
 def launch_coef_bwd(launch, xs, du, dh_post, dh_res, raw, rinv, alpha, bias, iters: int, cfg: dict | None = None):

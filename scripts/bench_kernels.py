@@ -35,12 +35,11 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
                    dict(BT=16, BC=32, num_warps=4, num_stages=1)],
     "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
                  dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
-    "stream_bwd": [dict(BT=16, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=4), dict(BT=16, BC=64, num_warps=8),
-                   dict(BT=32, BC=32, num_warps=4), dict(BT=16, BC=32, num_warps=2), dict(BT=16, BC=128, num_warps=4),
-                   dict(BT=16, BC=64, num_warps=4, LOWP=False), dict(BT=16, BC=64, num_warps=4, num_stages=2),
-                   dict(BT=16, BC=32, num_warps=4, num_stages=1)],
-    "dphi": [dict(BT=64, BK=128, num_warps=4), dict(BT=32, BK=128, num_warps=4), dict(BT=64, BK=256, num_warps=8),
-             dict(BT=128, BK=64, num_warps=4), dict(BT=64, BK=128, num_warps=4, splits=66)],
+    "stream_bwd": [dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4), dict(BT=16, BC=16, num_warps=1),
+                   dict(BT=64, BC=16, num_warps=4), dict(BT=32, BC=32, num_warps=4), dict(BT=32, BC=16, num_warps=2, num_stages=2),
+                   dict(BT=16, BC=64, num_warps=4, num_stages=2), dict(BT=16, BC=16, num_warps=2)],
+    "dphi": [dict(BT=32, BK=128, num_warps=4), dict(BT=64, BK=128, num_warps=4), dict(BT=64, BK=256, num_warps=8),
+             dict(BT=128, BK=64, num_warps=4), dict(BT=32, BK=128, num_warps=4, splits=66)],
 }
 
 
