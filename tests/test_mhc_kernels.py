@@ -143,6 +143,33 @@ def test_dphi_kernel_is_xT_G_for_any_shape(n, C, T, cfg):
 
 
 @interpreted
+def test_gpu_block_sizes_compute_what_the_cpu_ones_do():
+    """The GPU defaults (block shapes the interpreter tests do not otherwise use: stream_bwd's 32 tokens x
+    16 channels, coef_bwd's 128-token programs) give the CPU defaults' results, tokens and channels partial."""
+    from kernels.mhc_bwd import (coef_bwd_config, dphi_config, launch_coef_bwd, launch_dphi, launch_stream_bwd,
+                                 stream_bwd_config)
+    from kernels.mhc_fwd import fwd_config, launch_coef_premix
+    inp = make_inputs(4, 48, (45,))
+    x, y, h_res, h_post, phi, alpha, bias = (inp[k] for k in ("x", "y", "h_res", "h_post", "phi", "alpha", "bias"))
+    g = torch.Generator().manual_seed(3)
+    dxo, du = torch.randn(x.shape, generator=g), torch.randn(y.shape, generator=g)
+    dhp, dhr = torch.randn(h_post.shape, generator=g), torch.randn(h_res.shape, generator=g)
+    direct = lambda kernel: kernel  # noqa: E731
+
+    def unit(device):
+        fwd = launch_coef_premix(direct, x, y, h_res, h_post, phi, alpha, bias, 20, fwd_config(device))
+        x_new, _, _, _, raw, rinv = fwd
+        aux, dalpha, dbias = launch_coef_bwd(direct, x_new, du, dhp, dhr, raw, rinv, alpha, bias, 20,
+                                             coef_bwd_config(device))
+        streams = launch_stream_bwd(direct, x, y, h_res, h_post, dxo, du, aux, phi, stream_bwd_config(device))
+        return [*fwd, aux, dalpha, dbias, *streams, launch_dphi(direct, x_new, aux, dphi_config(device))]
+
+    gpu, cpu = unit(torch.device("cuda")), unit(torch.device("cpu"))
+    for i, (a, b) in enumerate(zip(gpu, cpu)):
+        assert a.shape == b.shape and rel(a, b) < 1e-5, f"result {i}: rel err {rel(a, b):.2e}"
+
+
+@interpreted
 def test_unused_outputs_get_zero_gradients():
     """Autograd passes None for unused outputs; the backward must treat them as zeros."""
     inp = make_inputs(4, 48, (19,))
