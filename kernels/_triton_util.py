@@ -236,6 +236,12 @@ def padded_columns(n: int) -> int:
     return max(16, triton.next_power_of_2(num_coefficients(n) + 1 + n))
 
 
+def phi_operand(phi: torch.Tensor, stream_dtype: torch.dtype, lowp: bool) -> torch.Tensor:
+    """phi^T [N, n*C] as the kernels' dot operand: the model's storage layout (phi [n*C, N] arrives as
+    its transposed view, so no transpose copy), in the stream dtype when LOWP else fp32."""
+    return phi.t().to(stream_dtype if lowp else torch.float32).contiguous()
+
+
 def check_streams(n: int, C: int, where: str) -> None:
     if n < 2 or n & (n - 1):
         raise ValueError(f"{where}: the Triton mHC kernels need n_streams a power of two >= 2, got n={n}; "

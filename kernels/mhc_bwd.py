@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels._triton_util import (apply_stream, channel_block, load_mixing, load_streams, num_coefficients,
-                                  padded_columns, program_slots, sigmoid, sinkhorn_bwd,
+                                  padded_columns, phi_operand, program_slots, sigmoid, sinkhorn_bwd,
                                   store_streams)
 
 
@@ -266,7 +266,7 @@ def launch_coef_bwd(launch, xs, du, dh_post, dh_res, raw, rinv, alpha, bias, ite
     N, NP = num_coefficients(n), padded_columns(n)
     cfg = dict(coef_bwd_config(xs.device) if cfg is None else cfg)
     BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"), n)
-    token_block = cfg.pop("TOKENS", TOKENS_PER_THREAD_BLOCK if xs.is_cuda else 16)
+    token_block = cfg.pop("TOKENS", coef_bwd_config(xs.device)["TOKENS"])
     dh_pre = torch.empty((T, n), device=xs.device, dtype=torch.float32)
     launch(premix_grad_kernel)[(triton.cdiv(T, BT),)](xs, du, dh_pre, T, C, n=n, BT=BT, BC=BC, **cfg)
     programs = triton.cdiv(T, token_block)
@@ -292,8 +292,7 @@ def launch_stream_bwd(launch, x, y, h_res, h_post, dx_new, du, aux, phi, cfg: di
     dy = torch.empty_like(y) if apply else None
     dh_res = torch.empty((T, n, n), **f32) if apply else None
     dh_post = torch.empty((T, n), **f32) if apply else None
-    # phi^T [N, n*C], the model's storage layout (no copy there), in the dot's operand dtype
-    phit = phi.t().to(x.dtype if lowp else torch.float32).contiguous() if coef else None
+    phit = phi_operand(phi, x.dtype, lowp) if coef else None
     dummy = dx
     launch(stream_bwd_kernel)[(triton.cdiv(T, BT),)](
         x, y if apply else dummy, h_res if apply else dummy, h_post if apply else dummy,

@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from kernels._triton_util import (apply_streams, channel_block, check_streams, load_mixing, load_streams,
-                                  num_coefficients, padded_columns, pre_gates, sigmoid, sinkhorn_fwd,
-                                  store_streams)
+                                  num_coefficients, padded_columns, phi_operand, pre_gates, sigmoid,
+                                  sinkhorn_fwd, store_streams)
 from kernels.mhc_reference import RMS_EPS
 
 
@@ -139,8 +139,7 @@ def launch_coef_premix(launch, x, y, h_res, h_post, phi, alpha, bias, iters: int
     rinv = torch.empty((T,), **f32)
     BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"), n)
     lowp = cfg.pop("LOWP", x.dtype == torch.bfloat16)
-    # phi^T [N, n*C]: the model's storage layout (phi arrives as its transposed view), in the dot's dtype
-    phit = phi.t().to(x.dtype if lowp else torch.float32).contiguous()
+    phit = phi_operand(phi, x.dtype, lowp)
     grid = (triton.cdiv(T, BT),)
     launch(coef_premix_kernel)[grid](
         x, y if apply else x, h_res if apply else raw, h_post if apply else raw,
