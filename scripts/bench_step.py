@@ -1,12 +1,15 @@
 """Full training-step benchmark: tokens/s, ms/step, MFU and peak memory of the recipe's step.
 
     python scripts/bench_step.py [--config configs/h100_short.toml] [--steps 30] [--warmup 5]
-                                 [--variants n4-kernels,n4-ref,n1-kernels,n1-ref | all] [override ...]
+                                 [--variants n4-kernels,n4-ref,n1-kernels,n1-ref | all] [--profile 3]
+                                 [override ...]
     torchrun --standalone --nproc_per_node=2 scripts/bench_step.py ... train.batch_tokens=196608
 
 Each variant builds the config's model with mHC on (n_streams=4) or off (1) and the Triton kernels
 on or off, compiles the step like train.py (train.compile), and times `--steps` optimizer steps on
 random tokens after `--warmup` steps (compilation happens there). Prints a markdown table.
+With --profile K, K more steps of each variant run under torch.profiler and the device time is
+broken down by kernel category and by kernel (scripts/step_profile.py), printed after the table.
 
 Under torchrun every rank runs the same step as train.py does: gradient averaging and sharded Muon.
 tokens/s is the global rate. train.batch_tokens is the global batch, so pass N x 98,304 to keep each
@@ -29,6 +32,7 @@ from model.gpt import GPT  # noqa: E402
 from training.config import load_config  # noqa: E402
 from training.distributed import DistInfo, destroy, init_distributed, print0  # noqa: E402
 from training.optim import build_optimizers  # noqa: E402
+from scripts.step_profile import format_tables, profile_steps  # noqa: E402
 from training.trainer import grad_accum_steps, peak_flops, train_step, training_flops_per_token  # noqa: E402
 
 VARIANTS = {
@@ -57,7 +61,8 @@ class RandomTokens:
         return self.x[:, :-1], self.x[:, 1:]
 
 
-def bench_variant(config: str, overrides: list[str], steps: int, warmup: int, dist: DistInfo) -> dict:
+def bench_variant(config: str, overrides: list[str], steps: int, warmup: int, dist: DistInfo,
+                  profile: int = 0) -> dict:
     cfg = load_config(config, overrides)
     device = dist.device
     torch.manual_seed(0)
@@ -81,7 +86,9 @@ def bench_variant(config: str, overrides: list[str], steps: int, warmup: int, di
     seconds = (time.perf_counter() - t0) / steps
     tok_s = cfg.train.batch_tokens / seconds
     peak = peak_flops(device) * dist.world_size
-    return {"ranks": dist.world_size,
+    breakdown = (profile_steps(lambda: train_step(step_model, loader, opts, cfg, accum, device), profile, device)
+                 if profile else None)
+    return {"ranks": dist.world_size, "profile": breakdown,
         "params": sum(p.numel() for p in model.parameters()), "ms_step": 1000 * seconds, "tok_s": tok_s,
         "mfu": 100 * training_flops_per_token(model, cfg) * tok_s / peak if peak else float("nan"),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"),
@@ -96,12 +103,16 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated, or 'all': {list(VARIANTS)}")
+    p.add_argument("--profile", type=int, default=0, metavar="K",
+                   help="profile K more steps per variant and print where the device time goes")
     p.add_argument("overrides", nargs="*", help="section.key=value applied to every variant")
     a = p.parse_args(argv)
     names = list(VARIANTS) if a.variants == "all" else a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    if a.profile < 0:
+        p.error(f"--profile takes a number of steps >= 0, got {a.profile}")
     device = load_config(a.config, a.overrides).train.device
     dist = init_distributed(device)
     rows = []
@@ -109,12 +120,15 @@ def main(argv=None) -> list[dict]:
     print0("|---|---|---|---|---|---|---|---|---|")
     try:
         for name in names:
-            r = bench_variant(a.config, a.overrides + VARIANTS[name], a.steps, a.warmup, dist)
+            r = bench_variant(a.config, a.overrides + VARIANTS[name], a.steps, a.warmup, dist, a.profile)
             rows.append({"variant": name, **r})
             print0(f"| {name} | {r['ranks']} | {r['params']:,} | {r['ms_step']:.1f} | {r['tok_s']:,.0f} | "
                    f"{r['mfu']:.1f} | {r['peak_gib']:.1f} | {r['warmup_s']:.1f} | {r['loss']:.3f} |", flush=True)
     finally:
         destroy()
+    for r in rows:  # after the table, so it stays one block (rank 0's profile under torchrun)
+        if r["profile"]:
+            print0(format_tables(r["variant"], r["ms_step"], *r["profile"]))
     return rows
 
 

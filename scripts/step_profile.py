@@ -1,0 +1,83 @@
+"""Where a training step's device time goes: kernels grouped by what they do (bench_step.py --profile).
+
+On a GPU the unit is a kernel (its device time); on the CPU, where nothing launches kernels, it is an
+operator's self CPU time, so the same tables come out of a CPU test run. Categories are found from the
+kernel name alone, first match wins; "GEMM" includes Muon's Newton-Schulz products, which are cuBLAS
+calls like the model's own.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Callable
+
+import torch
+
+CATEGORIES = (  # (label, pattern searched in the kernel name); on the CPU the custom ops mhcgolf::*
+    ("mHC Triton kernels", r"\b(coef_premix|stream_bwd|coef_bwd|premix_grad|dphi|apply)_kernel\b|mhcgolf(::|_)mhc_"),
+    ("MLP Triton GEMM", r"mlp_gemm|mhcgolf(::|_)mlp_"),
+    ("inductor fused (triton_*)", r"^triton_"),
+    ("attention", r"flash|fmha|attention|sdpa|cudnn"),
+    ("GEMM (cuBLAS/CUTLASS)", r"gemm|xmma|cutlass|nvjet|cublas|^aten::(mm|addmm|bmm|matmul)$"),
+    ("NCCL", r"nccl"),
+    ("copy / fill", r"(?i)memcpy|memset|copy|fill"),
+)
+OTHER = "other"
+
+
+def category(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if re.search(pattern, name):
+            return label
+    return OTHER
+
+
+def device_times(prof, on_gpu: bool) -> list[tuple[str, float, int]]:
+    """(name, microseconds, calls): every kernel the profiler saw (GPU), or each operator's summed self
+    time (CPU; the custom ops mhcgolf::* stand for the kernels the interpreter runs inside them)."""
+    if on_gpu:
+        return [(e.name, e.time_range.elapsed_us(), 1) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.self_cpu_time_total > 0]
+
+
+def summarize(times: list[tuple[str, float, int]], steps: int, top: int = 15) -> tuple[list[tuple], list[tuple]]:
+    """Per step: (category, ms, share) rows and the `top` kernels as (name, calls, ms, share, category),
+    both largest first. Shares are of the summed device time, not of the wall-clock step."""
+    if steps < 1:
+        raise ValueError(f"profile steps must be >= 1, got {steps}")
+    total = sum(us for _, us, _ in times) or 1.0
+    by_cat: dict[str, float] = defaultdict(float)
+    by_name: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for name, us, calls in times:
+        by_cat[category(name)] += us
+        by_name[name][0] += calls
+        by_name[name][1] += us
+    cats = sorted(((c, us / steps / 1e3, us / total) for c, us in by_cat.items()), key=lambda r: -r[1])
+    names = sorted(((n, calls / steps, us / steps / 1e3, us / total, category(n)) for n, (calls, us) in by_name.items()),
+                   key=lambda r: -r[2])
+    return cats, names[:top]
+
+
+def profile_steps(step: Callable[[], object], steps: int, device: torch.device) -> tuple[list[tuple], list[tuple]]:
+    """Run `step` `steps` times under torch.profiler (after the caller's warm-up) and summarize."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if on_gpu:
+            torch.cuda.synchronize()
+    return summarize(device_times(prof, on_gpu), steps)
+
+
+def format_tables(variant: str, wall_ms: float, cats: list[tuple], kernels: list[tuple]) -> str:
+    busy = sum(ms for _, ms, _ in cats)
+    lines = [f"\n### {variant}: {busy:.1f} ms of device time per step in {wall_ms:.1f} ms of wall clock", "",
+             "| category | ms/step | share |", "|---|---|---|"]
+    lines += [f"| {c} | {ms:.2f} | {100 * s:.1f}% |" for c, ms, s in cats]
+    lines += ["", "| kernel | calls/step | ms/step | share | category |", "|---|---|---|---|---|"]
+    lines += [f"| `{n[:90]}` | {calls:g} | {ms:.2f} | {100 * s:.1f}% | {c} |" for n, calls, ms, s, c in kernels]
+    return "\n".join(lines)

@@ -1,0 +1,62 @@
+"""scripts/step_profile.py: kernel names to categories, per-step tables, and bench_step --profile end to end."""
+import pytest
+
+from scripts import bench_step, step_profile
+from scripts.step_profile import OTHER, category, format_tables, summarize
+
+# Kernel names as an H100 trace of the compiled step shows them (torch 2.11, triton 3.6).
+NAMES = {
+    "coef_premix_kernel": "mHC Triton kernels",
+    "stream_bwd_kernel": "mHC Triton kernels",
+    "dphi_kernel": "mHC Triton kernels",
+    "mlp_gemm_tma_kernel": "MLP Triton GEMM",
+    "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT": "GEMM (cuBLAS/CUTLASS)",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "GEMM (cuBLAS/CUTLASS)",
+    "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1": "attention",
+    "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>": "attention",
+    "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "inductor fused (triton_*)",
+    "triton_tem_fused_mm_0": "inductor fused (triton_*)",
+    "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL": "NCCL",
+    "Memcpy DtoD (Device -> Device)": "copy / fill",
+    "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "copy / fill",
+    "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>": OTHER,
+    "CUDA_tensor_apply_kernel": OTHER,  # not ours: "apply_kernel" must be a whole name part
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_kernel_names_fall_in_their_category(name):
+    assert category(name) == NAMES[name]
+
+
+def test_tables_are_per_step_largest_first_and_shares_sum_to_one():
+    times = [("stream_bwd_kernel", 3000.0, 2), ("nvjet_tst_x", 5000.0, 4), ("triton_poi_fused_add_0", 1000.0, 2),
+             ("coef_premix_kernel", 1000.0, 2)]
+    cats, kernels = summarize(times, steps=2, top=3)
+    assert [c for c, _, _ in cats] == ["GEMM (cuBLAS/CUTLASS)", "mHC Triton kernels", "inductor fused (triton_*)"]
+    assert [ms for _, ms, _ in cats] == [2.5, 2.0, 0.5]  # microseconds over 2 steps, in ms
+    assert sum(s for _, _, s in cats) == pytest.approx(1.0)
+    assert [(n, calls) for n, calls, *_ in kernels] == [("nvjet_tst_x", 2), ("stream_bwd_kernel", 1),
+                                                         ("triton_poi_fused_add_0", 1)]  # top 3 of 4
+    text = format_tables("n4-kernels", 6.0, cats, kernels)
+    assert "5.0 ms of device time per step in 6.0 ms" in text and "| mHC Triton kernels | 2.00 | 40.0% |" in text
+
+
+def test_zero_profile_steps_are_refused():
+    with pytest.raises(ValueError, match="profile steps must be >= 1"):
+        summarize([("k", 1.0, 1)], steps=0)
+    with pytest.raises(SystemExit):
+        bench_step.main(["--profile", "-1"])
+
+
+def test_bench_step_profile_attributes_time_to_the_mhc_kernels(capsys):
+    """n=2 per block on a 1-layer model, kernels in the interpreter (conftest): the mHC ops show up as
+    their own category, and the tables follow the timing table."""
+    tiny = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "data.seq_len=16",
+            "train.batch_tokens=32", "train.micro_batch_seqs=2", "train.compile=false"]
+    rows = bench_step.main(["--config", str(bench_step.REPO / "configs/demo.toml"), "--steps", "1", "--warmup", "1",
+                            "--variants", "n2-block-kernels,n1-ref", "--profile", "1", *tiny])
+    cats = {r["variant"]: {c for c, _, _ in r["profile"][0]} for r in rows}
+    assert "mHC Triton kernels" in cats["n2-block-kernels"] and "mHC Triton kernels" not in cats["n1-ref"]
+    out = capsys.readouterr().out
+    assert out.index("| n1-ref |") < out.index("### n2-block-kernels") < out.index("### n1-ref")
