@@ -29,11 +29,9 @@ from kernels import mhc_reference as R
 
 COPY_BYTES = 1 << 30
 SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the default)
-    # Measured and dropped (docs/benchmarks.md, session 5): 8 warps, LOWP=False, num_stages=1 (all slower).
-    # The narrow-tile rows are untimed: session 5's stream_bwd gained 35% from 32 x 16 tiles on 2 warps.
-    "coef_premix": [dict(BT=16, BC=64, num_warps=4), dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=2),
-                    dict(BT=32, BC=16, num_warps=2), dict(BT=64, BC=16, num_warps=4), dict(BT=16, BC=16, num_warps=1),
-                    dict(BT=32, BC=16, num_warps=2, num_stages=2)],
+    # Measured and dropped (docs/benchmarks.md): 8 warps, LOWP=False, num_stages=1 (session 5), and the
+    # narrow tiles that helped stream_bwd (BC=16 on 1-4 warps: 1.03-1.04 ms against 0.74 on an H100, session 6).
+    "coef_premix": [dict(BT=16, BC=64, num_warps=4), dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=2)],
     "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
                  dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
     "stream_bwd": [dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4), dict(BT=16, BC=16, num_warps=1),
