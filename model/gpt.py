@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from kernels.mhc_reference import mhc_projection_input
 from model.config import ModelConfig
 from model.features import BigramHash, SmearGate, UNetSkips
-from model.layers import MLP, Attention, RMSNorm, Sublayer
+from model.layers import MLP, Attention, RMSNorm, RotaryTables, Sublayer
 from model.mhc import MHCParams, mhc_ops
 
 
@@ -40,9 +40,10 @@ class GPT(nn.Module):
         C, n = cfg.d_model, cfg.n_streams
         self.embed = nn.Embedding(cfg.vocab_size, C)
         self.sublayers = nn.ModuleList()
+        rope = RotaryTables(cfg.rotary_dims, cfg.rope_base)  # one copy, shared by every attention layer
         for layer in range(cfg.n_layers):
             scale = (layer + 1) ** -0.5 if cfg.layer_norm_scale else 1.0
-            self.sublayers.append(Sublayer(Attention(cfg, layer), C, scale))
+            self.sublayers.append(Sublayer(Attention(cfg, layer, rope), C, scale))
             self.sublayers.append(Sublayer(MLP(cfg), C, scale))
         if n > 1:
             units = cfg.n_layers if cfg.mhc_granularity == "block" else len(self.sublayers)

@@ -26,10 +26,36 @@ class RMSNorm(nn.Module):
 
 
 def rotary_cos_sin(seq_len: int, dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [T, dim/2] in fp32 (computed per call: cheap, and compile-friendly)."""
+    """cos/sin tables [T, dim/2] in fp32."""
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
+
+
+ROPE_TABLE_POSITIONS = 4096  # precomputed positions: every config's seq_len and eval context fit
+
+
+class RotaryTables(nn.Module):
+    """The rotary cos/sin tables, computed once and shared by every attention layer.
+
+    Computed per call, the tables cost little in eager mode, but torch.compile inlines their
+    pow/sin/cos into each layer's rotation kernel, once per element of q and k. On an H100 that kernel
+    was the largest inductor kernel of the step (2.2 ms per step). As buffers they are graph inputs, and
+    the rotation only loads them. They are non-persistent, so they stay out of the state dict and the
+    artifact. Sequences longer than the table compute theirs per call.
+    """
+
+    def __init__(self, dim: int, base: float, positions: int = ROPE_TABLE_POSITIONS):
+        super().__init__()
+        self.dim, self.base = dim, base
+        cos, sin = rotary_cos_sin(positions, dim, base, torch.device("cpu"))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if seq_len > self.cos.shape[0]:
+            return rotary_cos_sin(seq_len, self.dim, self.base, self.cos.device)
+        return self.cos[:seq_len], self.sin[:seq_len]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -101,10 +127,11 @@ class Attention(nn.Module):
     shared value embedding, added to V.
     """
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, rope: RotaryTables | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.rope_base, self.rotary_dims = cfg.rope_base, cfg.rotary_dims
+        self.rotary_dims = cfg.rotary_dims
+        self.rope = rope if rope is not None else RotaryTables(cfg.rotary_dims, cfg.rope_base)
         # "auto" uses FA3 for bf16/fp16 CUDA tensors when it is installed; "fa3" always; "sdpa" never.
         self.fa3, self.force_fa3 = load_fa3(cfg.attention), cfg.attention == "fa3"
         self.xsa = layer >= cfg.n_layers - cfg.xsa_layers
@@ -128,7 +155,7 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = F.rms_norm(q, (self.head_dim,)) * self.q_gain.to(q.dtype).view(1, -1, 1, 1)
         k = F.rms_norm(k, (self.head_dim,))
-        cos, sin = rotary_cos_sin(T, self.rotary_dims, self.rope_base, u.device)
+        cos, sin = self.rope(T)
         q = apply_partial_rotary(q, cos, sin, self.rotary_dims)
         k = apply_partial_rotary(k, cos, sin, self.rotary_dims)
         half = q.dtype in (torch.bfloat16, torch.float16)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from model.features import BOS_ID, SMEAR_GATE_INIT, SmearGate, bigram_bucket
 from model.gpt import GPT
-from model.layers import Attention, apply_partial_rotary, rotary_cos_sin
+from model.layers import Attention, RotaryTables, apply_partial_rotary, rotary_cos_sin
 from test_model import randomize_, tiny  # shared tiny config and non-trivial weights
 
 ALL_ON = dict(xsa_layers=2, rope_dims=4, layer_norm_scale=True, unet_skips=True, smear_gate=True,
@@ -105,6 +105,18 @@ def test_partial_rope_leaves_other_dims_and_keeps_relative_positions():
     scores = rq @ rk.T
     assert torch.allclose(scores[1:, 1:], scores[:-1, :-1], atol=1e-5)
     assert scores[0].std() > 1e-2, "scores must vary with the offset"
+
+
+def test_rotary_tables_are_the_per_call_tables_shared_and_not_shipped():
+    tables = RotaryTables(8, 10000.0, positions=16)
+    for T in (5, 16, 40):  # inside the table, its full length, and past it (computed per call)
+        want = rotary_cos_sin(T, 8, 10000.0, torch.device("cpu"))
+        assert all(torch.equal(a, b) for a, b in zip(tables(T), want))
+    model = GPT(tiny(n_layers=3))
+    attn = [s.body for s in model.sublayers[::2]]
+    assert all(a.rope is attn[0].rope for a in attn)  # one copy for the model
+    assert not any("rope" in k for k in model.state_dict()), "the tables must stay out of checkpoints and artifacts"
+    assert len([n for n, _ in model.named_buffers() if "rope" in n]) == 2  # cos and sin, once
 
 
 def test_rope_dims_zero_rotates_the_whole_head():

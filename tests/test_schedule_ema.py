@@ -65,6 +65,7 @@ class Net(nn.Module):
         self.lin = nn.Linear(4, 3).to(dtype)
         self.register_buffer("running", torch.zeros(3, dtype=dtype))
         self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("table", torch.ones(2, dtype=dtype), persistent=False)  # derived, like the rotary tables
 
 
 def test_decay_warmup_formula():
@@ -74,7 +75,19 @@ def test_decay_warmup_formula():
     assert ema.decay_at(10) == pytest.approx(11 / 20)
     assert ema.decay_at(1000) == pytest.approx(1001 / 1010)
     assert ema.decay_at(10**6) == 0.997
-    assert ema.names == ["lin.weight", "lin.bias", "running"]  # the integer buffer is not averaged
+    # the integer buffer is not averaged; the non-persistent one is not either: no checkpoint holds it
+    assert ema.names == ["lin.weight", "lin.bias", "running"]
+
+
+def test_ema_names_are_what_a_checkpoint_holds():
+    """bench_quant and resume put EMA shadows into state dicts by name, so each name must be in one."""
+    from model.gpt import GPT
+    from model.config import ModelConfig
+    model = GPT(ModelConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=2, n_kv_heads=1))
+    ema = EMA(model, decay=0.9, warmup_steps=1)
+    assert set(ema.names) <= set(model.state_dict())
+    assert not any("rope" in n for n in ema.names)
+    ema.update(model, 0)  # the live tensors still match the names
 
 
 def initial_share_after(cfg: OptimConfig, steps: int) -> float:

@@ -15,11 +15,18 @@ from torch import Tensor
 from training.config import OptimConfig
 
 
-def _tracked(model: nn.Module) -> dict[str, Tensor]:
-    """Parameters and floating-point buffers, by name (tied tensors once)."""
+def _tracked(model: nn.Module, skip: frozenset[str] = frozenset()) -> dict[str, Tensor]:
+    """Parameters and floating-point buffers, by name (tied tensors once), less the names in `skip`."""
     tensors = {n: p for n, p in model.named_parameters()}
-    tensors.update({n: b for n, b in model.named_buffers() if b.is_floating_point()})
+    tensors.update({n: b for n, b in model.named_buffers() if b.is_floating_point() and n not in skip})
     return tensors
+
+
+def _derived_buffers(model: nn.Module) -> frozenset[str]:
+    """Non-persistent buffers (e.g. the rotary tables): constants the model rebuilds, which checkpoints
+    do not hold, so averaging them would only put names in the EMA that no state dict has."""
+    saved = model.state_dict(keep_vars=True)
+    return frozenset(n for n, _ in model.named_buffers() if n not in saved)
 
 
 class EMA:
@@ -29,15 +36,16 @@ class EMA:
         if warmup_steps < 1:
             raise ValueError(f"optim.ema_warmup_steps={warmup_steps}: expected >= 1")
         self.decay, self.warmup_steps = decay, warmup_steps
-        self.names = list(_tracked(model))
+        self.skip = _derived_buffers(model)
+        self.names = list(_tracked(model, self.skip))
         # fp32 shadows: a bf16 shadow would lose updates smaller than its 8-bit mantissa.
-        self.shadow = [t.detach().float().clone() for t in _tracked(model).values()]
+        self.shadow = [t.detach().float().clone() for t in _tracked(model, self.skip).values()]
 
     def decay_at(self, step: int) -> float:
         return min(self.decay, (1 + step) / (self.warmup_steps + step))
 
     def _live(self, model: nn.Module) -> list[Tensor]:
-        tensors = _tracked(model)
+        tensors = _tracked(model, self.skip)
         if list(tensors) != self.names:
             raise ValueError("EMA: the model's parameters/buffers differ from the ones the EMA was built from")
         return list(tensors.values())
