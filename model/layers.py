@@ -55,7 +55,8 @@ class RotaryTables(nn.Module):
     def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         if seq_len > self.cos.shape[0]:
             return rotary_cos_sin(seq_len, self.dim, self.base, self.cos.device)
-        return self.cos[:seq_len], self.sin[:seq_len]
+        # .float(): a no-op for the fp32 buffers; keeps the tables fp32 if the model is ever cast to bf16
+        return self.cos[:seq_len].float(), self.sin[:seq_len].float()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -29,10 +29,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from model.gpt import GPT  # noqa: E402
+from scripts.step_profile import format_tables, profile_steps  # noqa: E402
 from training.config import load_config  # noqa: E402
 from training.distributed import DistInfo, destroy, init_distributed, print0  # noqa: E402
 from training.optim import build_optimizers  # noqa: E402
-from scripts.step_profile import format_tables, profile_steps  # noqa: E402
 from training.trainer import grad_accum_steps, peak_flops, train_step, training_flops_per_token  # noqa: E402
 
 VARIANTS = {

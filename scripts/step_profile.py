@@ -3,7 +3,8 @@
 On a GPU the unit is a kernel (its device time); on the CPU, where nothing launches kernels, it is an
 operator's self CPU time, so the same tables come out of a CPU test run. Categories are found from the
 kernel name alone, first match wins; "GEMM" includes Muon's Newton-Schulz products, which are cuBLAS
-calls like the model's own.
+calls like the model's own. Device time is the sum over kernels: kernels that overlap on several
+streams (NCCL under torchrun) are each counted, so it can exceed the wall clock.
 """
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import torch
 CATEGORIES = (  # (label, pattern searched in the kernel name); on the CPU the custom ops mhcgolf::*
     ("mHC Triton kernels", r"\b(coef_premix|stream_bwd|coef_bwd|premix_grad|dphi|apply)_kernel\b|mhcgolf(::|_)mhc_"),
     ("MLP Triton GEMM", r"mlp_gemm|mhcgolf(::|_)mlp_"),
+    ("GEMM (cuBLAS/CUTLASS, inductor templates)", r"^triton_tem_|gemm|xmma|cutlass|nvjet|cublas|^aten::(mm|addmm|bmm|matmul)$"),
     ("inductor fused (triton_*)", r"^triton_"),
     ("attention", r"flash|fmha|attention|sdpa|cudnn"),
-    ("GEMM (cuBLAS/CUTLASS)", r"gemm|xmma|cutlass|nvjet|cublas|^aten::(mm|addmm|bmm|matmul)$"),
     ("NCCL", r"nccl"),
     ("copy / fill", r"(?i)memcpy|memset|copy|fill"),
 )
@@ -45,7 +46,7 @@ def summarize(times: list[tuple[str, float, int]], steps: int, top: int = 15) ->
     """Per step: (category, ms, share) rows and the `top` kernels as (name, calls, ms, share, category),
     both largest first. Shares are of the summed device time, not of the wall-clock step."""
     if steps < 1:
-        raise ValueError(f"profile steps must be >= 1, got {steps}")
+        raise ValueError(f"profile steps must be >= 1, got {steps}; hint: pass --profile K with K >= 1 (0 skips profiling)")
     total = sum(us for _, us, _ in times) or 1.0
     by_cat: dict[str, float] = defaultdict(float)
     by_name: dict[str, list] = defaultdict(lambda: [0, 0.0])

@@ -1,5 +1,6 @@
 """scripts/step_profile.py: kernel names to categories, per-step tables, and bench_step --profile end to end."""
 import pytest
+import torch
 
 from scripts import bench_step, step_profile
 from scripts.step_profile import OTHER, category, format_tables, summarize
@@ -10,12 +11,12 @@ NAMES = {
     "stream_bwd_kernel": "mHC Triton kernels",
     "dphi_kernel": "mHC Triton kernels",
     "mlp_gemm_tma_kernel": "MLP Triton GEMM",
-    "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT": "GEMM (cuBLAS/CUTLASS)",
-    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "GEMM (cuBLAS/CUTLASS)",
+    "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT": "GEMM (cuBLAS/CUTLASS, inductor templates)",
+    "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1": "GEMM (cuBLAS/CUTLASS, inductor templates)",
     "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1": "attention",
     "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>": "attention",
     "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "inductor fused (triton_*)",
-    "triton_tem_fused_mm_0": "inductor fused (triton_*)",
+    "triton_tem_fused_mm_0": "GEMM (cuBLAS/CUTLASS, inductor templates)",  # inductor's GEMM template
     "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL": "NCCL",
     "Memcpy DtoD (Device -> Device)": "copy / fill",
     "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "copy / fill",
@@ -33,13 +34,23 @@ def test_tables_are_per_step_largest_first_and_shares_sum_to_one():
     times = [("stream_bwd_kernel", 3000.0, 2), ("nvjet_tst_x", 5000.0, 4), ("triton_poi_fused_add_0", 1000.0, 2),
              ("coef_premix_kernel", 1000.0, 2)]
     cats, kernels = summarize(times, steps=2, top=3)
-    assert [c for c, _, _ in cats] == ["GEMM (cuBLAS/CUTLASS)", "mHC Triton kernels", "inductor fused (triton_*)"]
+    assert [c for c, _, _ in cats] == ["GEMM (cuBLAS/CUTLASS, inductor templates)", "mHC Triton kernels", "inductor fused (triton_*)"]
     assert [ms for _, ms, _ in cats] == [2.5, 2.0, 0.5]  # microseconds over 2 steps, in ms
     assert sum(s for _, _, s in cats) == pytest.approx(1.0)
     assert [(n, calls) for n, calls, *_ in kernels] == [("nvjet_tst_x", 2), ("stream_bwd_kernel", 1),
                                                          ("triton_poi_fused_add_0", 1)]  # top 3 of 4
     text = format_tables("n4-kernels", 6.0, cats, kernels)
     assert "5.0 ms of device time per step in 6.0 ms" in text and "| mHC Triton kernels | 2.00 | 40.0% |" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_profile_reads_kernel_times_from_the_device():
+    """The GPU branch: kernels (not operators) with their device time; a bf16 matmul lands in GEMM."""
+    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    cats, kernels = step_profile.profile_steps(lambda: a @ a, 2, torch.device("cuda"))
+    assert cats[0][0] == "GEMM (cuBLAS/CUTLASS, inductor templates)" and cats[0][1] > 0
+    assert all(not name.startswith("aten::") for name, *_ in kernels)
 
 
 def test_zero_profile_steps_are_refused():
