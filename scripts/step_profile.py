@@ -42,9 +42,10 @@ def device_times(prof, on_gpu: bool) -> list[tuple[str, float, int]]:
     return [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.self_cpu_time_total > 0]
 
 
-def summarize(times: list[tuple[str, float, int]], steps: int, top: int = 15) -> tuple[list[tuple], list[tuple]]:
+def summarize(times: list[tuple[str, float, int]], steps: int, top: int = 30) -> tuple[list[tuple], list[tuple]]:
     """Per step: (category, ms, share) rows and the `top` kernels as (name, calls, ms, share, category),
-    both largest first. Shares are of the summed device time, not of the wall-clock step."""
+    both largest first. Shares are of the summed device time, not of the wall-clock step. 30 kernels:
+    on an H100 the top 15 ended at 1.1 ms per step and named under a third of the inductor time."""
     if steps < 1:
         raise ValueError(f"profile steps must be >= 1, got {steps}; hint: pass --profile K with K >= 1 (0 skips profiling)")
     total = sum(us for _, us, _ in times) or 1.0
