@@ -30,12 +30,13 @@ def tiny_overrides(data: Path, tmp: Path) -> list[str]:
 def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path, capsys):
     import train
     final = train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
-                        "quant.phi_bits=5"])
+                        "quant.phi_bits=5", "train.time_budget_s=600", "quant.calib_reserve_s=30"])  # steps end it
     last_line = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last_line) == json.loads(json.dumps(final, sort_keys=True))
     for key in ("val_loss", "val_bpb", "steps", "train_time_s", "artifact_bytes", "code_bytes", "total_bytes", "run_id"):
         assert key in final, key
     assert final["steps"] == 40 and final["run_id"] == "tiny"
+    assert final["calib_within_reserve"] is True and 0 < final["calib_total_s"] <= 30
     artifact = tmp_path / "runs" / "tiny.mhcg"
     assert final["artifact_bytes"] == artifact.stat().st_size
     _, stored = load_artifact(str(artifact), stored=True)
@@ -50,6 +51,21 @@ def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path,
     assert steps[0]["step"] == 1 and steps[-1]["step"] == 40
     assert steps[-1]["loss"] < steps[0]["loss"] - 1.0, "loss must fall within a few dozen steps"
     assert any(line.startswith("config ") for line in log) and any("commit" in line for line in log)
+
+
+def test_calibration_on_training_tokens_is_checked_against_its_reserve():
+    from training.export import calibration_within_reserve
+    demo = REPO / "configs/demo.toml"
+    cfg = load_config(demo, ["train.time_budget_s=60", "quant.calib_reserve_s=5"])
+    lines = []
+    assert calibration_within_reserve(cfg, 1.2, lines.append) is True
+    assert "inside the 5 s reserve" in lines[-1]
+    assert calibration_within_reserve(cfg, 7.5, lines.append) is False
+    assert lines[-1].startswith("WARNING") and "quant.calib_reserve_s=5" in lines[-1] and "2.5 s beyond" in lines[-1]
+    # No rule applies without a time budget, or to text the model generated itself.
+    assert calibration_within_reserve(load_config(demo, ["train.time_budget_s=0", "train.schedule=steps"]), 99.0, lines.append) is None
+    generated = load_config(demo, ["train.time_budget_s=60", "quant.calib_source=generated"])
+    assert calibration_within_reserve(generated, 99.0, lines.append) is None
 
 
 class SliceLoader:
