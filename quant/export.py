@@ -31,14 +31,10 @@ from quant.allocate import FALLBACK_BITS, HIGH_BITS, LOW_BITS, allocate_bits, al
 from quant.calibrate import collect_hessians, collect_output_fisher
 from quant.container import ChunkCache, build_artifact, check_meta, dequantize_state, load_artifact, save_artifact
 from quant.gptq import gptq_quantize, row_errors, rtn_quantize
+from quant.options import ALLOCATORS, ERROR_WEIGHTS, METHODS, MIN_BITS, OBSERVED_BITS, TABLE_BITS
 from quant.pack import QuantizedTensor
 
-METHODS = ("gptq", "rtn")
-ALLOCATORS = ("rank", "lagrangian")
-ERROR_WEIGHTS = ("output", "fisher")
-MIN_BITS = (FALLBACK_BITS, LOW_BITS)
-TABLE_BITS = (5, 6, 8)  # embedding tables: round-to-nearest per row at one of these widths
-OBSERVED_BITS = (4, 5, 6, 8)
+assert MIN_BITS == (FALLBACK_BITS, LOW_BITS), "quant.options.MIN_BITS must name the allocator's widths"
 FP32_MAX_NUMEL = 64
 
 

@@ -19,6 +19,7 @@ CODE_FILES = (
     "kernels/*.py",
     "quant/__init__.py",
     "quant/container.py",
+    "quant/options.py",
     "quant/pack.py",
     "quant/size.py",
     "data/__init__.py",

@@ -31,7 +31,7 @@ def test_overrides_apply_after_the_file_with_types():
     ("model.n_heads=5", "divisible by model.n_heads"),
     ("train.schedule=tokens", "train.schedule"),
     ("quant.method=awq", "quant.method"),
-    ("quant.min_bits=3", "quant.min_bits=3: expected 5"),
+    ("quant.min_bits=3", "quant.min_bits=3: expected 4 or 5 (5: int5/int6 only"),
     ("quant.phi_bits=7", "quant.phi_bits=7: expected 4, 5, 6 or 8"),
     ("quant.table_bits=4", "quant.table_bits=4: expected 5, 6 or 8"),
     ("quant.allocator=greedy", "quant.allocator='greedy': expected 'rank' or 'lagrangian'"),

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from model.config import ModelConfig
+from quant.options import ALLOCATORS, CALIB_SOURCES, ERROR_WEIGHTS, METHODS, MIN_BITS, OBSERVED_BITS, TABLE_BITS, one_of
 
 
 @dataclass
@@ -184,23 +185,17 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.schedule={t.schedule!r}: expected 'steps' or 'time'")
     if t.schedule == "time" and t.time_budget_s <= 0:
         raise ConfigError("train.schedule='time' needs train.time_budget_s > 0")
-    if cfg.quant.method not in ("gptq", "rtn"):
-        raise ConfigError(f"quant.method={cfg.quant.method!r}: expected 'gptq' or 'rtn'")
-    if cfg.quant.min_bits not in (4, 5):
-        raise ConfigError(f"quant.min_bits={cfg.quant.min_bits}: expected 5 (int5/int6 only) or 4 (int4 fallback "
-                          "when all-int5 is over the cap)")
-    if cfg.quant.allocator not in ("rank", "lagrangian"):
-        raise ConfigError(f"quant.allocator={cfg.quant.allocator!r}: expected 'rank' or 'lagrangian'")
-    if cfg.quant.error_weight not in ("output", "fisher"):
-        raise ConfigError(f"quant.error_weight={cfg.quant.error_weight!r}: expected 'output' or 'fisher'")
-    if cfg.quant.table_bits not in (5, 6, 8):
-        raise ConfigError(f"quant.table_bits={cfg.quant.table_bits}: expected 5, 6 or 8 (the width of the "
-                          "embedding tables)")
-    if cfg.quant.phi_bits not in (4, 5, 6, 8):
-        raise ConfigError(f"quant.phi_bits={cfg.quant.phi_bits}: expected 4, 5, 6 or 8 (the width of the mHC phi "
-                          "projections)")
-    if cfg.quant.calib_source not in ("train", "generated"):
-        raise ConfigError(f"quant.calib_source={cfg.quant.calib_source!r}: expected 'train' or 'generated'")
+    q = cfg.quant
+    for field, value, allowed, what in (
+            ("method", q.method, METHODS, ""),
+            ("min_bits", q.min_bits, MIN_BITS, " (5: int5/int6 only; 4: int4 fallback when all-int5 is over the cap)"),
+            ("allocator", q.allocator, ALLOCATORS, ""),
+            ("error_weight", q.error_weight, ERROR_WEIGHTS, ""),
+            ("table_bits", q.table_bits, TABLE_BITS, " (the width of the embedding tables)"),
+            ("phi_bits", q.phi_bits, OBSERVED_BITS, " (the width of the mHC phi projections)"),
+            ("calib_source", q.calib_source, CALIB_SOURCES, "")):
+        if value not in allowed:
+            raise ConfigError(f"quant.{field}={value!r}: expected {one_of(allowed)}{what}")
     if t.time_budget_s and cfg.quant.calib_reserve_s >= t.time_budget_s:
         raise ConfigError(f"quant.calib_reserve_s={cfg.quant.calib_reserve_s} must be < train.time_budget_s")
     if t.resume == "latest" and not t.run_id:
