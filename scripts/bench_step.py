@@ -72,22 +72,25 @@ def bench_variant(config: str, overrides: list[str], steps: int, warmup: int, di
     loader = RandomTokens(cfg.train.micro_batch_seqs, cfg.data.seq_len, cfg.model.vocab_size, device, dist.rank)
     accum = grad_accum_steps(cfg, dist.world_size)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def step():
+        return train_step(step_model, loader, opts, cfg, accum, device)
+
     t0 = time.perf_counter()
     for _ in range(warmup):
-        train_step(step_model, loader, opts, cfg, accum, device)
+        step()
     sync()
     warmup_s = time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     for _ in range(steps):
-        loss = train_step(step_model, loader, opts, cfg, accum, device)
+        loss = step()
     sync()
     seconds = (time.perf_counter() - t0) / steps
     tok_s = cfg.train.batch_tokens / seconds
     peak = peak_flops(device) * dist.world_size
-    breakdown = (profile_steps(lambda: train_step(step_model, loader, opts, cfg, accum, device), profile, device)
-                 if profile else None)
+    breakdown = profile_steps(step, profile, device) if profile else None
     return {"ranks": dist.world_size, "profile": breakdown,
         "params": sum(p.numel() for p in model.parameters()), "ms_step": 1000 * seconds, "tok_s": tok_s,
         "mfu": 100 * training_flops_per_token(model, cfg) * tok_s / peak if peak else float("nan"),

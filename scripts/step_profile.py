@@ -49,15 +49,17 @@ def summarize(times: list[tuple[str, float, int]], steps: int, top: int = 30) ->
     if steps < 1:
         raise ValueError(f"profile steps must be >= 1, got {steps}; hint: pass --profile K with K >= 1 (0 skips profiling)")
     total = sum(us for _, us, _ in times) or 1.0
-    by_cat: dict[str, float] = defaultdict(float)
     by_name: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for name, us, calls in times:
-        by_cat[category(name)] += us
         by_name[name][0] += calls
         by_name[name][1] += us
-    cats = sorted(((c, us / steps / 1e3, us / total) for c, us in by_cat.items()), key=lambda r: -r[1])
     names = sorted(((n, calls / steps, us / steps / 1e3, us / total, category(n)) for n, (calls, us) in by_name.items()),
                    key=lambda r: -r[2])
+    by_cat: dict[str, list] = defaultdict(lambda: [0.0, 0.0])
+    for _, _, ms, share, cat in names:
+        by_cat[cat][0] += ms
+        by_cat[cat][1] += share
+    cats = sorted(((c, ms, share) for c, (ms, share) in by_cat.items()), key=lambda r: -r[1])
     return cats, names[:top]
 
 

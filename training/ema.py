@@ -37,9 +37,10 @@ class EMA:
             raise ValueError(f"optim.ema_warmup_steps={warmup_steps}: expected >= 1")
         self.decay, self.warmup_steps = decay, warmup_steps
         self.skip = _derived_buffers(model)
-        self.names = list(_tracked(model, self.skip))
+        tracked = _tracked(model, self.skip)
+        self.names = list(tracked)
         # fp32 shadows: a bf16 shadow would lose updates smaller than its 8-bit mantissa.
-        self.shadow = [t.detach().float().clone() for t in _tracked(model, self.skip).values()]
+        self.shadow = [t.detach().float().clone() for t in tracked.values()]
 
     def decay_at(self, step: int) -> float:
         return min(self.decay, (1 + step) / (self.warmup_steps + step))
