@@ -30,7 +30,7 @@ import torch
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
           torch.int64: "i64"}
-LAUNCH_OPTIONS = ("num_warps", "num_stages")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
 class Recorder:
@@ -130,7 +130,7 @@ def unit_launches(T: int, n: int, C: int, configs: dict) -> list[tuple]:
 
 
 def describe(kwargs: dict) -> str:
-    keys = ("APPLY", "COEF", "BT", "BC", "BK", "LOWP", "num_warps", "num_stages")
+    keys = ("APPLY", "COEF", "BT", "BC", "BK", "LOWP", "num_warps", "num_stages", "maxnreg")
     return ",".join(f"{k}={int(kwargs[k]) if isinstance(kwargs[k], bool) else kwargs[k]}" for k in keys if k in kwargs)
 
 

@@ -5,6 +5,10 @@ operator's self CPU time, so the same tables come out of a CPU test run. Categor
 kernel name alone, first match wins; "GEMM" includes Muon's Newton-Schulz products, which are cuBLAS
 calls like the model's own. Device time is the sum over kernels: kernels that overlap on several
 streams (NCCL under torchrun) are each counted, so it can exceed the wall clock.
+
+A kernel name does not say which matrices a GEMM multiplied, so a third table lists the matrix
+products (aten::mm, addmm, bmm, ...) by operator and input shapes, with the device time of the
+kernels each launched: a cuBLAS GEMV in the top kernels is found by its shapes there.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ CATEGORIES = (  # (label, pattern searched in the kernel name); on the CPU the c
     ("copy / fill", r"(?i)memcpy|memset|copy|fill"),
 )
 OTHER = "other"
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mv", "aten::addmv", "aten::dot",
+            "aten::_scaled_mm")  # the leaf operators that launch matrix-product kernels
 
 
 def category(name: str) -> str:
@@ -40,6 +46,19 @@ def device_times(prof, on_gpu: bool) -> list[tuple[str, float, int]]:
         return [(e.name, e.time_range.elapsed_us(), 1) for e in prof.events()
                 if e.device_type == torch.autograd.DeviceType.CUDA]
     return [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.self_cpu_time_total > 0]
+
+
+def gemm_shapes(prof, on_gpu: bool, steps: int, top: int = 12) -> list[tuple[str, str, float, float]]:
+    """(operator, input shapes, calls/step, ms/step) of the matrix products, largest first: the device
+    time of the kernels each launched (GPU), or the operator's self CPU time (CPU)."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key not in GEMM_OPS:
+            continue
+        us = e.device_time_total if on_gpu else e.self_cpu_time_total
+        shapes = " × ".join(str(list(s)) for s in e.input_shapes if s)
+        rows.append((e.key, shapes, e.count / steps, us / steps / 1e3))
+    return sorted(rows, key=lambda r: -r[3])[:top]
 
 
 def summarize(times: list[tuple[str, float, int]], steps: int, top: int = 30) -> tuple[list[tuple], list[tuple]]:
@@ -63,25 +82,31 @@ def summarize(times: list[tuple[str, float, int]], steps: int, top: int = 30) ->
     return cats, names[:top]
 
 
-def profile_steps(step: Callable[[], object], steps: int, device: torch.device) -> tuple[list[tuple], list[tuple]]:
-    """Run `step` `steps` times under torch.profiler (after the caller's warm-up) and summarize."""
+def profile_steps(step: Callable[[], object], steps: int, device: torch.device
+                  ) -> tuple[list[tuple], list[tuple], list[tuple]]:
+    """Run `step` `steps` times under torch.profiler (after the caller's warm-up): (categories, top
+    kernels, matrix products by shape)."""
     from torch.profiler import ProfilerActivity, profile
 
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         for _ in range(steps):
             step()
         if on_gpu:
             torch.cuda.synchronize()
-    return summarize(device_times(prof, on_gpu), steps)
+    return (*summarize(device_times(prof, on_gpu), steps), gemm_shapes(prof, on_gpu, steps))
 
 
-def format_tables(variant: str, wall_ms: float, cats: list[tuple], kernels: list[tuple]) -> str:
+def format_tables(variant: str, wall_ms: float, cats: list[tuple], kernels: list[tuple],
+                  gemms: list[tuple] = ()) -> str:
     busy = sum(ms for _, ms, _ in cats)
     lines = [f"\n### {variant}: {busy:.1f} ms of device time per step in {wall_ms:.1f} ms of wall clock", "",
              "| category | ms/step | share |", "|---|---|---|"]
     lines += [f"| {c} | {ms:.2f} | {100 * s:.1f}% |" for c, ms, s in cats]
     lines += ["", "| kernel | calls/step | ms/step | share | category |", "|---|---|---|---|---|"]
     lines += [f"| `{n[:90]}` | {calls:g} | {ms:.2f} | {100 * s:.1f}% | {c} |" for n, calls, ms, s, c in kernels]
+    if gemms:
+        lines += ["", "| matrix product | input shapes | calls/step | ms/step |", "|---|---|---|---|"]
+        lines += [f"| {op} | {shapes} | {calls:g} | {ms:.2f} |" for op, shapes, calls, ms in gemms]
     return "\n".join(lines)

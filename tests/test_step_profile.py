@@ -48,9 +48,26 @@ def test_tables_are_per_step_largest_first_and_shares_sum_to_one():
 def test_gpu_profile_reads_kernel_times_from_the_device():
     """The GPU branch: kernels (not operators) with their device time; a bf16 matmul lands in GEMM."""
     a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
-    cats, kernels = step_profile.profile_steps(lambda: a @ a, 2, torch.device("cuda"))
+    cats, kernels, gemms = step_profile.profile_steps(lambda: a @ a, 2, torch.device("cuda"))
     assert cats[0][0] == "GEMM (cuBLAS/CUTLASS, inductor templates)" and cats[0][1] > 0
     assert all(not name.startswith("aten::") for name, *_ in kernels)
+    op, shapes, calls, ms = gemms[0]  # the product's kernels' device time, under its operator and shapes
+    assert (op, shapes, calls) == ("aten::mm", "[1024, 1024] × [1024, 1024]", 1.0) and ms == pytest.approx(cats[0][1])
+
+
+def test_matrix_products_are_listed_by_operator_and_shapes():
+    """Two products of different shapes per step: each its own row, per step, largest first."""
+    a, b, v = torch.randn(256, 128), torch.randn(128, 256), torch.randn(128)
+
+    def step():
+        return a @ b, a @ v, torch.mm(a[:8], b)
+    _, _, gemms = step_profile.profile_steps(step, 2, torch.device("cpu"))
+    rows = {(op, shapes): calls for op, shapes, calls, _ in gemms}
+    assert rows == {("aten::mm", "[256, 128] × [128, 256]"): 1.0, ("aten::mv", "[256, 128] × [128]"): 1.0,
+                    ("aten::mm", "[8, 128] × [128, 256]"): 1.0}
+    assert [ms for *_, ms in gemms] == sorted((ms for *_, ms in gemms), reverse=True)
+    text = format_tables("v", 1.0, [("GEMM", 1.0, 1.0)], [], gemms)
+    assert "| aten::mm | [256, 128] × [128, 256] | 1 |" in text
 
 
 def test_zero_profile_steps_are_refused():
