@@ -162,7 +162,10 @@ class GPT(nn.Module):
                 self._observe_mhc_input(l + 1, streams)  # post_pre returned unit l+1's input with its coefficients
             else:
                 streams = self.ops.post(streams, h_res, h_post, y)
-        return torch.einsum("...nc,n->...c", streams.float(), self.readout.float())
+        # An elementwise product and a sum over the stream axis, not an einsum: einsum lowers to a matrix
+        # product with K = n (forward) and K = 1 (backward) over all B*T*C elements, which cuBLAS ran
+        # as GEMV kernels taking 3.1 ms (n=4) and 6.0 ms (n=2) of an H100 step; this inductor fuses.
+        return (streams.float() * self.readout.float()[:, None]).sum(dim=-2)
 
     def _observe_mhc_input(self, unit: int, streams: torch.Tensor) -> None:
         if self.quant_observer is not None:

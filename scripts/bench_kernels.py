@@ -31,17 +31,14 @@ COPY_BYTES = 1 << 30
 SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the default)
     # Measured and dropped (docs/benchmarks.md): 8 warps, LOWP=False, num_stages=1 (session 5), and the
     # narrow tiles that helped stream_bwd (BC=16 on 1-4 warps: 1.03-1.04 ms against 0.74 on an H100, session 6);
-    # for stream_bwd BT=16/BC=16 on 1 or 2 warps, BT=32/BC=32 on 4 warps and num_stages=2 (within 4%, session 6).
-    # maxnreg caps the registers per thread (ptxas spills the rest to L1-cached local memory) so that more
-    # programs share an SM: stream_bwd sits at 255 registers, 4 two-warp programs per SM.
-    "coef_premix": [dict(BT=16, BC=64, num_warps=4), dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=2),
-                    dict(BT=16, BC=64, num_warps=4, maxnreg=96)],
+    # for stream_bwd BT=16/BC=16 on 1 or 2 warps, BT=32/BC=32 on 4 warps and num_stages=2 (within 4%, session 6);
+    # register caps (maxnreg) so that more programs share an SM: stream_bwd at 192/168/128 registers took
+    # 1.34/2.17/3.13 ms against 1.03 uncapped (the spills cost more than the occupancy gains), coef_premix at
+    # 96 the same as at its own 128 (session 7).
+    "coef_premix": [dict(BT=16, BC=64, num_warps=4), dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=2)],
     "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
                  dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
-    "stream_bwd": [dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4), dict(BT=64, BC=16, num_warps=4),
-                   dict(BT=32, BC=16, num_warps=2, maxnreg=192), dict(BT=32, BC=16, num_warps=2, maxnreg=168),
-                   dict(BT=32, BC=16, num_warps=2, maxnreg=128), dict(BT=64, BC=16, num_warps=4, maxnreg=128),
-                   dict(BT=16, BC=64, num_warps=4, maxnreg=128)],
+    "stream_bwd": [dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4), dict(BT=64, BC=16, num_warps=4)],
     "dphi": [dict(BT=32, BK=128, num_warps=4), dict(BT=64, BK=128, num_warps=4), dict(BT=64, BK=256, num_warps=8),
              dict(BT=128, BK=64, num_warps=4), dict(BT=32, BK=128, num_warps=4, splits=66)],
 }

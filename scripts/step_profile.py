@@ -39,12 +39,17 @@ def category(name: str) -> str:
     return OTHER
 
 
+def is_annotation(event) -> bool:
+    """A record_function range on the device timeline (torch.compile names each graph call so)."""
+    return bool(getattr(event, "is_user_annotation", False)) or event.name.startswith("## ")
+
+
 def device_times(prof, on_gpu: bool) -> list[tuple[str, float, int]]:
     """(name, microseconds, calls): every kernel the profiler saw (GPU), or each operator's summed self
     time (CPU; the custom ops mhcgolf::* stand for the kernels the interpreter runs inside them)."""
-    if on_gpu:
+    if on_gpu:  # user annotations ("## Call CompiledFxGraph ... ##") span kernels; they are not kernels
         return [(e.name, e.time_range.elapsed_us(), 1) for e in prof.events()
-                if e.device_type == torch.autograd.DeviceType.CUDA]
+                if e.device_type == torch.autograd.DeviceType.CUDA and not is_annotation(e)]
     return [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.self_cpu_time_total > 0]
 
 

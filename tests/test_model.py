@@ -244,3 +244,18 @@ def test_phi_is_stored_at_unit_scale_so_adam_steps_stay_small():
         params.phi.mul_(params.phi_scale)
     params.phi_scale = 1.0
     assert _first_adam_step_logit_change(params, lr) > 3.0
+
+
+def test_stream_readout_is_no_matrix_product():
+    """The head's Σ_i w_i x_i over n streams: an einsum made it a matrix product with K = n (forward) and
+    K = 1 (backward) over all B*T*C elements, which cuBLAS ran as GEMVs (3.1 ms of an n=4 H100 step)."""
+    from scripts.step_profile import GEMM_OPS
+    model = randomize_(GPT(tiny(n_streams=4)))
+    idx = torch.randint(0, model.cfg.vocab_size, (2, 16))
+    with torch.profiler.profile(record_shapes=True) as prof:
+        model(idx, idx).backward()
+    flat = 2 * 16 * model.cfg.d_model  # every stream element of one stream
+    products = [e.input_shapes for e in prof.events() if e.name in GEMM_OPS]
+    assert products, "the profile saw no matrix products at all (the test would pass vacuously)"
+    assert not [s for s in products if any(flat in dims for dims in s)], products
+    assert model.readout.grad is not None and model.readout.grad.abs().sum() > 0
