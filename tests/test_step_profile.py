@@ -51,9 +51,10 @@ def test_gpu_profile_reads_kernel_times_from_the_device():
     cats, kernels, gemms = step_profile.profile_steps(lambda: a @ a, 2, torch.device("cuda"))
     assert cats[0][0] == "GEMM (cuBLAS/CUTLASS, inductor templates)" and cats[0][1] > 0
     assert all(not name.startswith("aten::") for name, *_ in kernels)
-    op, shapes, calls, ms = gemms[0]  # the device time of the kernels it launched, under its operator and shapes
-    assert (op, shapes, calls) == ("aten::mm", "[1024, 1024] × [1024, 1024]", 1.0)
-    assert cats[0][1] <= ms * 1.001 and ms <= sum(c[1] for c in cats) * 1.001
+    op, shapes, calls, ms = gemms[0]  # the device time the profiler gives the operator, under its shapes
+    assert (op, shapes, calls) == ("aten::mm", "[1024, 1024] × [1024, 1024]", 1.0) and ms > 0
+    # (Not equal to the kernel's own time: on an H100, torch 2.11, the operator's device time was 1.5x the
+    # sum of every kernel event, so the table ranks products; the kernel table gives their times.)
 
 
 def test_device_annotations_are_not_counted_as_kernels():
