@@ -56,7 +56,7 @@ def device_times(prof, on_gpu: bool) -> list[tuple[str, float, int]]:
 
 def gemm_shapes(prof, on_gpu: bool, steps: int, top: int = 12) -> list[tuple[str, str, float, float]]:
     """(operator, input shapes, calls/step, ms/step) of the matrix products, largest first: the device
-    time of the kernels each launched (GPU), or the operator's self CPU time (CPU)."""
+    time the profiler gives each operator (GPU; see the module note), or its self CPU time (CPU)."""
     rows = []
     for e in prof.key_averages(group_by_input_shape=True):
         if e.key not in GEMM_OPS:
@@ -113,6 +113,6 @@ def format_tables(variant: str, wall_ms: float, cats: list[tuple], kernels: list
     lines += ["", "| kernel | calls/step | ms/step | share | category |", "|---|---|---|---|---|"]
     lines += [f"| `{n[:90]}` | {calls:g} | {ms:.2f} | {100 * s:.1f}% | {c} |" for n, calls, ms, s, c in kernels]
     if gemms:
-        lines += ["", "| matrix product | input shapes | calls/step | ms/step |", "|---|---|---|---|"]
+        lines += ["", "| matrix product | input shapes | calls/step | operator ms/step |", "|---|---|---|---|"]
         lines += [f"| {op} | {shapes} | {calls:g} | {ms:.2f} |" for op, shapes, calls, ms in gemms]
     return "\n".join(lines)
