@@ -119,6 +119,32 @@ def coef_bwd_kernel(
 
 
 @triton.jit
+def _stream_bwd_tiles(x_ptr, y_ptr, dxo_ptr, du_ptr, row, t64, tmask, c, C, n: tl.constexpr,
+                      APPLY: tl.constexpr, COEF: tl.constexpr):
+    """stream_bwd's loads for channel tile c, in the storage dtype: (x streams, y, incoming dx' streams,
+    du). Entries a path does not use repeat x's first stream (never read)."""
+    m2 = tmask[:, None] & (c < C)[None, :]
+    xs = load_streams(x_ptr, row, c, m2, C, n, KEEP_DTYPE=True)
+    y = xs[0]
+    dxo = xs
+    du = xs[0]
+    if APPLY:
+        y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0)
+        dxo = load_streams(dxo_ptr, row, c, m2, C, n, KEEP_DTYPE=True)
+    if COEF:
+        du = tl.load(du_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0)
+    return xs, y, dxo, du
+
+
+@triton.jit
+def _to_float(tiles, n: tl.constexpr):
+    out = ()
+    for i in tl.static_range(n):
+        out = out + (tiles[i].to(tl.float32),)
+    return out
+
+
+@triton.jit
 def stream_bwd_kernel(
     x_ptr, y_ptr, hres_ptr, hpost_ptr, dxo_ptr,               # apply inputs, grad of the new streams
     du_ptr, aux_ptr, phit_ptr,                                 # coefficient path; phit = phi^T [N, n*C]
@@ -126,11 +152,14 @@ def stream_bwd_kernel(
     T, C,
     n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
     APPLY: tl.constexpr, COEF: tl.constexpr, LOWP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
 ):
     """One program owns BT tokens and walks their channels in tiles of BC, so the per-token sums over
     channels (dH_res, dH_post) finish in registers and are stored once. No d(phi) here (dphi_kernel):
     its [n*C, N] accumulator is what spilled the channel-major version of this kernel.
-    LOWP (bf16 streams): G phi^T takes operands in the stream dtype (fp32 accumulate)."""
+    LOWP (bf16 streams): G phi^T takes operands in the stream dtype (fp32 accumulate).
+    PREFETCH: issue the loads of the next channel tile before computing this one, so a program keeps
+    a tile's reads in flight while it computes (costs the registers of one more tile)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -154,20 +183,28 @@ def stream_bwd_kernel(
         for i in tl.static_range(n):
             h_pre = h_pre + (tl.load(aux_ptr + t64 * NP + N + 1 + i, mask=tmask, other=0.0),)
 
+    if PREFETCH:
+        ahead = _stream_bwd_tiles(x_ptr, y_ptr, dxo_ptr, du_ptr, row, t64, tmask, tl.arange(0, BC), C, n,
+                                  APPLY, COEF)
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
         cmask = c < C
         m2 = tmask[:, None] & cmask[None, :]
-        xs = load_streams(x_ptr, row, c, m2, C, n, KEEP_DTYPE=True)
+        if PREFETCH:  # this tile's loads were issued an iteration ago; issue the next tile's now
+            tiles = ahead
+            ahead = _stream_bwd_tiles(x_ptr, y_ptr, dxo_ptr, du_ptr, row, t64, tmask, c + BC, C, n, APPLY, COEF)
+        else:
+            tiles = _stream_bwd_tiles(x_ptr, y_ptr, dxo_ptr, du_ptr, row, t64, tmask, c, C, n, APPLY, COEF)
+        xs, y, dxt, du = tiles
         if APPLY:
-            y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            dxt = load_streams(dxo_ptr, row, c, m2, C, n)
+            y = y.to(tl.float32)
+            dxt = _to_float(dxt, n)
         else:
             dxt = ()
             for i in tl.static_range(n):
                 dxt = dxt + (tl.zeros([BT, BC], tl.float32),)
         if COEF:
-            du = tl.load(du_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            du = du.to(tl.float32)
             grads = ()
             for i in tl.static_range(n):
                 if APPLY:  # x'_i recomputed (one read less than loading it), rounded as stored

@@ -1,6 +1,7 @@
 """Kernel benchmarks on a CUDA GPU, one subcommand per kernel family:
 
-    python scripts/bench_kernels.py mhc [--tokens 32768 98304] [--n 4] [--C 512] [--rep-ms 200] [--sweep]
+    python scripts/bench_kernels.py mhc [--tokens 32768 98304] [--n 4] [--C 512] [--rep-ms 200]
+                                        [--sweep [stream_bwd,coef_premix,...]]
                                         [--impls eager,compiled,triton] [--profile-once]
     python scripts/bench_kernels.py mlp ...   (scripts/bench_mlp.py: its own flags)
 
@@ -38,7 +39,8 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     "coef_premix": [dict(BT=16, BC=64, num_warps=4), dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=2)],
     "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
                  dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
-    "stream_bwd": [dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4), dict(BT=64, BC=16, num_warps=4)],
+    "stream_bwd": [dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4), dict(BT=64, BC=16, num_warps=4),
+                   dict(BT=32, BC=16, num_warps=2, PREFETCH=True), dict(BT=16, BC=64, num_warps=4, PREFETCH=True)],
     "dphi": [dict(BT=32, BK=128, num_warps=4), dict(BT=64, BK=128, num_warps=4), dict(BT=64, BK=256, num_warps=8),
              dict(BT=128, BK=64, num_warps=4), dict(BT=32, BK=128, num_warps=4, splits=66)],
 }
@@ -105,8 +107,8 @@ def pass_timings(fn, inputs: list[torch.Tensor], rep_ms: int) -> dict[str, float
     }
 
 
-def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float) -> list[tuple]:
-    """Each Triton kernel alone under the SWEEP block configurations: (kernel, config, ms, % of copy bw)."""
+def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float, kernels: list[str]) -> list[tuple]:
+    """Each of `kernels` alone under its SWEEP block configurations: (kernel, config, ms, % of copy bw)."""
     from kernels.mhc_bwd import launch_coef_bwd, launch_dphi, launch_stream_bwd
     from kernels.mhc_fwd import launch_coef_premix
 
@@ -126,7 +128,8 @@ def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float) -> list
         "dphi": (lambda cfg: launch_dphi(direct, x_new, aux, cfg), n * C * 2),
     }
     rows = []
-    for name, (run, stream_bytes) in runs.items():
+    for name in kernels:
+        run, stream_bytes = runs[name]
         for cfg in SWEEP[name]:
             ms = bench_ms(lambda: run(cfg), rep_ms)
             rows.append((name, ",".join(f"{k}={v}" for k, v in cfg.items()), ms,
@@ -158,7 +161,8 @@ def parse_mhc_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=4, help="number of residual streams (a power of two)")
     p.add_argument("--C", type=int, default=512, help="stream width (a multiple of 16)")
     p.add_argument("--rep-ms", type=int, default=200, help="milliseconds of timed repeats per measurement")
-    p.add_argument("--sweep", action="store_true", help="also time each Triton kernel under several block configs")
+    p.add_argument("--sweep", nargs="?", const="all", default="", metavar="KERNELS",
+                   help=f"also time Triton kernels under several block configs: all, or some of {','.join(SWEEP)}")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
     p.add_argument("--profile-once", action="store_true",
                    help="no timing: run the Triton unit's forward+backward twice at the first --tokens, for a profiler")
@@ -169,6 +173,9 @@ def parse_mhc_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--impls must name some of {','.join(IMPLS)}, got {unknown or 'nothing'}")
     if min(args.tokens) <= 0 or args.rep_ms <= 0:
         p.error(f"--tokens and --rep-ms must be positive, got {args.tokens} and {args.rep_ms}")
+    args.sweep = list(SWEEP) if args.sweep == "all" else [k.strip() for k in args.sweep.split(",") if k.strip()]
+    if set(args.sweep) - set(SWEEP):
+        p.error(f"--sweep takes 'all' or kernels among {','.join(SWEEP)}, got {','.join(args.sweep)}")
     if args.n < 2 or args.n & (args.n - 1) or args.C <= 0 or args.C % 16:
         p.error(f"--n must be a power of two >= 2 and --C a positive multiple of 16, got n={args.n} C={args.C}")
     return args
@@ -207,7 +214,7 @@ def mhc_main(argv: list[str]) -> list[dict]:
         print(f"\nper-kernel block sweep at {max(args.tokens)} tokens (% of copy bandwidth on the kernel's own "
               "stream bytes)")
         print(f"{'kernel':<12} {'config':<40} {'ms':>8} {'% copy':>7}")
-        for name, cfg, ms, pct in sweep_rows(make_inputs(max(args.tokens), n, C), args.rep_ms, copy_bps):
+        for name, cfg, ms, pct in sweep_rows(make_inputs(max(args.tokens), n, C), args.rep_ms, copy_bps, args.sweep):
             print(f"{name:<12} {cfg:<40} {ms:8.3f} {pct:6.1f}%")
     print(f"\nmhc_post_pre, one sublayer pair: time, floor bytes / time, and floor time / time")
     print(f"{'tokens':>7} {'implementation':<20} {'pass':<8} {'ms':>8} {'GB/s':>7} {'% floor':>8}")

@@ -170,6 +170,34 @@ def test_gpu_block_sizes_compute_what_the_cpu_ones_do():
 
 
 @interpreted
+@pytest.mark.parametrize("n", [4, 2])
+def test_stream_bwd_prefetch_gives_the_same_gradients(n):
+    """PREFETCH loads the next channel tile an iteration early; every path (apply and coefficients, either
+    alone) must give the plain loop's results exactly, with a partial last tile (C=48, 32-channel tiles)
+    and a partial token block (37 tokens in 16-token programs)."""
+    from kernels.mhc_bwd import launch_coef_bwd, launch_stream_bwd
+    from kernels.mhc_fwd import launch_coef_premix
+    inp = make_inputs(n, 48, (37,))
+    x, y, h_res, h_post, phi, alpha, bias = (inp[k] for k in ("x", "y", "h_res", "h_post", "phi", "alpha", "bias"))
+    g = torch.Generator().manual_seed(5)
+    dxo, du = torch.randn(x.shape, generator=g), torch.randn(y.shape, generator=g)
+    direct = lambda kernel: kernel  # noqa: E731
+    x_new, _, hp, hr, raw, rinv = launch_coef_premix(direct, x, y, h_res, h_post, phi, alpha, bias, 20)
+    aux, _, _ = launch_coef_bwd(direct, x_new, du, torch.randn_like(hp), torch.randn_like(hr), raw, rinv, alpha,
+                                bias, 20)
+    paths = {"apply+coefficients": (x, y, h_res, h_post, dxo, du, aux, phi),
+             "coefficients": (x, None, None, None, None, du, aux, phi),
+             "apply": (x, y, h_res, h_post, dxo, None, None, None)}
+    for name, args in paths.items():
+        plain = launch_stream_bwd(direct, *args, dict(BT=16, BC=32, num_warps=4))
+        ahead = launch_stream_bwd(direct, *args, dict(BT=16, BC=32, num_warps=4, PREFETCH=True))
+        for a, b in zip(ahead, plain):
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert torch.equal(a, b), f"{name}: PREFETCH changed a result"
+
+
+@interpreted
 def test_unused_outputs_get_zero_gradients():
     """Autograd passes None for unused outputs; the backward must treat them as zeros."""
     inp = make_inputs(4, 48, (19,))
@@ -300,16 +328,17 @@ def test_bench_floor_bytes_are_the_stated_count():
 
 
 def test_bench_mhc_flags_parse_and_reject_bad_values():
-    from scripts.bench_kernels import parse_mhc_args
+    from scripts.bench_kernels import SWEEP, parse_mhc_args
     args = parse_mhc_args([])
-    assert (args.tokens, args.n, args.C, args.rep_ms, args.sweep) == ([32_768, 98_304], 4, 512, 200, False)
+    assert (args.tokens, args.n, args.C, args.rep_ms, args.sweep) == ([32_768, 98_304], 4, 512, 200, [])
     args = parse_mhc_args(["--tokens", "100", "200", "--n", "8", "--C", "96", "--rep-ms", "5", "--sweep"])
-    assert (args.tokens, args.n, args.C, args.rep_ms, args.sweep) == ([100, 200], 8, 96, 5, True)
+    assert (args.tokens, args.n, args.C, args.rep_ms, args.sweep) == ([100, 200], 8, 96, 5, list(SWEEP))
+    assert parse_mhc_args(["--sweep", "stream_bwd, dphi"]).sweep == ["stream_bwd", "dphi"]
     assert (args.impls, args.profile_once) == (["eager", "compiled", "triton"], False)
     args = parse_mhc_args(["--impls", "triton, eager", "--profile-once"])
     assert (args.impls, args.profile_once) == (["triton", "eager"], True)
     for bad in (["--n", "3"], ["--C", "40"], ["--tokens", "0"], ["--rep-ms", "-1"], ["--impls", "cuda"],
-                ["--impls", ","]):
+                ["--impls", ","], ["--sweep", "stream_fwd"]):
         with pytest.raises(SystemExit):
             parse_mhc_args(bad)
 
