@@ -119,32 +119,6 @@ def coef_bwd_kernel(
 
 
 @triton.jit
-def _stream_bwd_tiles(x_ptr, y_ptr, dxo_ptr, du_ptr, row, t64, tmask, c, C, n: tl.constexpr,
-                      APPLY: tl.constexpr, COEF: tl.constexpr):
-    """stream_bwd's loads for channel tile c, in the storage dtype: (x streams, y, incoming dx' streams,
-    du). Entries a path does not use repeat x's first stream (never read)."""
-    m2 = tmask[:, None] & (c < C)[None, :]
-    xs = load_streams(x_ptr, row, c, m2, C, n, KEEP_DTYPE=True)
-    y = xs[0]
-    dxo = xs
-    du = xs[0]
-    if APPLY:
-        y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0)
-        dxo = load_streams(dxo_ptr, row, c, m2, C, n, KEEP_DTYPE=True)
-    if COEF:
-        du = tl.load(du_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0)
-    return xs, y, dxo, du
-
-
-@triton.jit
-def _to_float(tiles, n: tl.constexpr):
-    out = ()
-    for i in tl.static_range(n):
-        out = out + (tiles[i].to(tl.float32),)
-    return out
-
-
-@triton.jit
 def stream_bwd_kernel(
     x_ptr, y_ptr, hres_ptr, hpost_ptr, dxo_ptr,               # apply inputs, grad of the new streams
     du_ptr, aux_ptr, phit_ptr,                                 # coefficient path; phit = phi^T [N, n*C]
@@ -152,14 +126,11 @@ def stream_bwd_kernel(
     T, C,
     n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
     APPLY: tl.constexpr, COEF: tl.constexpr, LOWP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
 ):
     """One program owns BT tokens and walks their channels in tiles of BC, so the per-token sums over
     channels (dH_res, dH_post) finish in registers and are stored once. No d(phi) here (dphi_kernel):
     its [n*C, N] accumulator is what spilled the channel-major version of this kernel.
-    LOWP (bf16 streams): G phi^T takes operands in the stream dtype (fp32 accumulate).
-    PREFETCH: issue the loads of the next channel tile before computing this one, so a program keeps
-    a tile's reads in flight while it computes (costs the registers of one more tile)."""
+    LOWP (bf16 streams): G phi^T takes operands in the stream dtype (fp32 accumulate)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -183,28 +154,20 @@ def stream_bwd_kernel(
         for i in tl.static_range(n):
             h_pre = h_pre + (tl.load(aux_ptr + t64 * NP + N + 1 + i, mask=tmask, other=0.0),)
 
-    if PREFETCH:
-        ahead = _stream_bwd_tiles(x_ptr, y_ptr, dxo_ptr, du_ptr, row, t64, tmask, tl.arange(0, BC), C, n,
-                                  APPLY, COEF)
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
         cmask = c < C
         m2 = tmask[:, None] & cmask[None, :]
-        if PREFETCH:  # this tile's loads were issued an iteration ago; issue the next tile's now
-            tiles = ahead
-            ahead = _stream_bwd_tiles(x_ptr, y_ptr, dxo_ptr, du_ptr, row, t64, tmask, c + BC, C, n, APPLY, COEF)
-        else:
-            tiles = _stream_bwd_tiles(x_ptr, y_ptr, dxo_ptr, du_ptr, row, t64, tmask, c, C, n, APPLY, COEF)
-        xs, y, dxt, du = tiles
+        xs = load_streams(x_ptr, row, c, m2, C, n, KEEP_DTYPE=True)
         if APPLY:
-            y = y.to(tl.float32)
-            dxt = _to_float(dxt, n)
+            y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            dxt = load_streams(dxo_ptr, row, c, m2, C, n)
         else:
             dxt = ()
             for i in tl.static_range(n):
                 dxt = dxt + (tl.zeros([BT, BC], tl.float32),)
         if COEF:
-            du = du.to(tl.float32)
+            du = tl.load(du_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
             grads = ()
             for i in tl.static_range(n):
                 if APPLY:  # x'_i recomputed (one read less than loading it), rounded as stored
@@ -288,9 +251,14 @@ def coef_bwd_config(device: torch.device) -> dict:
 # tokens with 32 tokens x 16 channels per program on 2 warps, against 1.23 ms for session 4's 16 x 64 on 4
 # warps. Both sit at 255 registers with a little spill (scripts/kernel_resources.py); the narrow tile
 # needs fewer shuffles and layout barriers per token, and two-warp programs let more of them share an SM.
+# At n=2 (session 7, H100) the kernel needs 149 registers, not 255, and the wide tile wins: 16 x 64 on 4 warps
+# took 0.363 ms (83% of copy bandwidth on its bytes) against 0.674 ms for the n=4 default. n=8 is not
+# measured; it keeps the n=4 block.
 # dphi: 32-token blocks, 0.114 ms against 0.135 for 64.
-def stream_bwd_config(device: torch.device) -> dict:
-    return dict(BT=32, BC=16, num_warps=2) if device.type == "cuda" else dict(BT=16, BC=32, num_warps=4)
+def stream_bwd_config(device: torch.device, n: int) -> dict:
+    if device.type != "cuda":
+        return dict(BT=16, BC=32, num_warps=4)
+    return dict(BT=16, BC=64, num_warps=4) if n <= 2 else dict(BT=32, BC=16, num_warps=2)
 
 
 def dphi_config(device: torch.device) -> dict:
@@ -321,7 +289,7 @@ def launch_stream_bwd(launch, x, y, h_res, h_post, dx_new, du, aux, phi, cfg: di
     T, n, C = x.shape
     N, NP = num_coefficients(n), padded_columns(n)
     apply, coef = y is not None, du is not None
-    cfg = dict(stream_bwd_config(x.device) if cfg is None else cfg)
+    cfg = dict(stream_bwd_config(x.device, n) if cfg is None else cfg)
     BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"), n)
     lowp = cfg.pop("LOWP", x.dtype == torch.bfloat16)
     f32 = dict(device=x.device, dtype=torch.float32)

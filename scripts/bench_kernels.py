@@ -35,12 +35,13 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     # for stream_bwd BT=16/BC=16 on 1 or 2 warps, BT=32/BC=32 on 4 warps and num_stages=2 (within 4%, session 6);
     # register caps (maxnreg) so that more programs share an SM: stream_bwd at 192/168/128 registers took
     # 1.34/2.17/3.13 ms against 1.03 uncapped (the spills cost more than the occupancy gains), coef_premix at
-    # 96 the same as at its own 128 (session 7).
+    # 96 the same as at its own 128 (session 7); stream_bwd loading each channel tile an iteration ahead (a
+    # loop-carried tile): 1.42 ms against 1.04 at n=4, and at n=2 slower than the wide tile without it (session 7).
+    # The first row is the n=4 default; kernels/mhc_bwd.py picks stream_bwd's default per n.
     "coef_premix": [dict(BT=16, BC=64, num_warps=4), dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=2)],
     "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
                  dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
-    "stream_bwd": [dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4), dict(BT=64, BC=16, num_warps=4),
-                   dict(BT=32, BC=16, num_warps=2, PREFETCH=True), dict(BT=16, BC=64, num_warps=4, PREFETCH=True)],
+    "stream_bwd": [dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4), dict(BT=64, BC=16, num_warps=4)],
     "dphi": [dict(BT=32, BK=128, num_warps=4), dict(BT=64, BK=128, num_warps=4), dict(BT=64, BK=256, num_warps=8),
              dict(BT=128, BK=64, num_warps=4), dict(BT=32, BK=128, num_warps=4, splits=66)],
 }

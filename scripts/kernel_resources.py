@@ -130,26 +130,26 @@ def unit_launches(T: int, n: int, C: int, configs: dict) -> list[tuple]:
 
 
 def describe(kwargs: dict) -> str:
-    keys = ("APPLY", "COEF", "BT", "BC", "BK", "LOWP", "PREFETCH", "num_warps", "num_stages", "maxnreg")
+    keys = ("APPLY", "COEF", "BT", "BC", "BK", "LOWP", "num_warps", "num_stages", "maxnreg")
     return ",".join(f"{k}={int(kwargs[k]) if isinstance(kwargs[k], bool) else kwargs[k]}" for k in keys if k in kwargs)
 
 
-def default_configs() -> dict:
+def default_configs(n: int) -> dict:
     from kernels.mhc_bwd import coef_bwd_config, dphi_config, stream_bwd_config
     from kernels.mhc_fwd import fwd_config
     gpu = torch.device("cuda")
-    return {"coef_premix": fwd_config(gpu), "coef_bwd": coef_bwd_config(gpu), "stream_bwd": stream_bwd_config(gpu),
+    return {"coef_premix": fwd_config(gpu), "coef_bwd": coef_bwd_config(gpu), "stream_bwd": stream_bwd_config(gpu, n),
             "dphi": dphi_config(gpu)}
 
 
 def rows(T: int, n: int, C: int, arch: int, sweep: bool) -> list[dict]:
     """One row per distinct kernel launch: the defaults, then (with sweep) every SWEEP configuration."""
-    plans = [default_configs()]
-    if sweep:
+    plans = [default_configs(n)]
+    if sweep:  # every SWEEP row (the n=4 defaults among them: defaults depend on n; repeats are dropped below)
         from scripts.bench_kernels import SWEEP
         for name, configs in SWEEP.items():
             if name in plans[0]:
-                plans += [plans[0] | {name: plans[0][name] | cfg} for cfg in configs[1:]]  # keeps TOKENS
+                plans += [plans[0] | {name: plans[0][name] | cfg} for cfg in configs]  # keeps TOKENS
     seen, out = set(), []
     for plan in plans:
         for kernel, args, kwargs in unit_launches(T, n, C, plan):
