@@ -119,18 +119,32 @@ def coef_bwd_kernel(
 
 
 @triton.jit
+def _g_phi(g, phit_ptr, col, k, kmask, N: tl.constexpr, K):
+    """(G phi^T) over the projection rows k: [BT, NP] x [NP, len(k)] on the tensor cores."""
+    phi_t = tl.load(phit_ptr + col[:, None] * K + k[None, :], mask=(col < N)[:, None] & kmask[None, :], other=0.0)
+    return tl.dot(g, phi_t.to(g.dtype))
+
+
+@triton.jit
 def stream_bwd_kernel(
     x_ptr, y_ptr, hres_ptr, hpost_ptr, dxo_ptr,               # apply inputs, grad of the new streams
     du_ptr, aux_ptr, phit_ptr,                                 # coefficient path; phit = phi^T [N, n*C]
     dx_ptr, dy_ptr, dhres_ptr, dhpost_ptr,
     T, C,
     n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-    APPLY: tl.constexpr, COEF: tl.constexpr, LOWP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    APPLY: tl.constexpr, COEF: tl.constexpr, LOWP: tl.constexpr, GP_SCRATCH: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr,
 ):
     """One program owns BT tokens and walks their channels in tiles of BC, so the per-token sums over
     channels (dH_res, dH_post) finish in registers and are stored once. No d(phi) here (dphi_kernel):
     its [n*C, N] accumulator is what spilled the channel-major version of this kernel.
-    LOWP (bf16 streams): G phi^T takes operands in the stream dtype (fp32 accumulate)."""
+    LOWP (bf16 streams): G phi^T takes operands in the stream dtype (fp32 accumulate).
+    GP_SCRATCH: G phi^T goes through the program's own dx tile (stored in the stream dtype, reloaded,
+    overwritten by dx below). Without it Triton computes the whole coefficient-path sum in the dot's
+    layout and holds the x tiles and per-token coefficients in two layouts (n=4: 255 registers, 60
+    layout conversions); the reload keeps the loop in the loads' layout (n=4: 160-172 registers at
+    4 elements per thread, sm_90, no spill). Rounding G phi^T to the stream dtype is what the
+    reference's bf16 matmul output does."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -168,15 +182,23 @@ def stream_bwd_kernel(
                 dxt = dxt + (tl.zeros([BT, BC], tl.float32),)
         if COEF:
             du = tl.load(du_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            if GP_SCRATCH:
+                for i in tl.static_range(n):
+                    gp = _g_phi(g, phit_ptr, col, i * C + c, cmask, N, K)
+                    tl.store(dx_ptr + row[:, None] + i * C + c[None, :], gp.to(dx_ptr.dtype.element_ty), mask=m2)
+                tl.debug_barrier()  # written by other threads of this program (if the layouts differ)
+                gps = load_streams(dx_ptr, row, c, m2, C, n)
+                tl.debug_barrier()  # every thread has its G phi^T before any thread stores dx there
             grads = ()
             for i in tl.static_range(n):
                 if APPLY:  # x'_i recomputed (one read less than loading it), rounded as stored
                     xi = apply_stream(xs, y, h_res, h_post, i, n).to(x_ptr.dtype.element_ty).to(tl.float32)
                 else:
                     xi = xs[i].to(tl.float32)
-                phi_t = tl.load(phit_ptr + col[:, None] * K + (i * C + c)[None, :],
-                                mask=(col < N)[:, None] & cmask[None, :], other=0.0)
-                gp = tl.dot(g, phi_t.to(g.dtype))
+                if GP_SCRATCH:
+                    gp = gps[i]
+                else:
+                    gp = _g_phi(g, phit_ptr, col, i * C + c, cmask, N, K)
                 grads = grads + (dxt[i] + h_pre[i][:, None] * du + rms_factor[:, None] * xi + gp,)
             dxt = grads
         if APPLY:
@@ -292,6 +314,7 @@ def launch_stream_bwd(launch, x, y, h_res, h_post, dx_new, du, aux, phi, cfg: di
     cfg = dict(stream_bwd_config(x.device, n) if cfg is None else cfg)
     BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"), n)
     lowp = cfg.pop("LOWP", x.dtype == torch.bfloat16)
+    gp_scratch = cfg.pop("GP_SCRATCH", False)
     f32 = dict(device=x.device, dtype=torch.float32)
     dx = torch.empty_like(x)
     dy = torch.empty_like(y) if apply else None
@@ -303,7 +326,7 @@ def launch_stream_bwd(launch, x, y, h_res, h_post, dx_new, du, aux, phi, cfg: di
         x, y if apply else dummy, h_res if apply else dummy, h_post if apply else dummy,
         dx_new if apply else dummy, du if coef else dummy, aux if coef else dummy, phit if coef else dummy,
         dx, dy if apply else dummy, dh_res if apply else dummy, dh_post if apply else dummy, T, C,
-        n=n, N=N, NP=NP, APPLY=apply, COEF=coef, LOWP=lowp, BT=BT, BC=BC, **cfg)
+        n=n, N=N, NP=NP, APPLY=apply, COEF=coef, LOWP=lowp, GP_SCRATCH=gp_scratch, BT=BT, BC=BC, **cfg)
     return dx, dy, dh_res, dh_post
 
 

@@ -130,7 +130,7 @@ def unit_launches(T: int, n: int, C: int, configs: dict) -> list[tuple]:
 
 
 def describe(kwargs: dict) -> str:
-    keys = ("APPLY", "COEF", "BT", "BC", "BK", "LOWP", "num_warps", "num_stages", "maxnreg")
+    keys = ("APPLY", "COEF", "BT", "BC", "BK", "LOWP", "GP_SCRATCH", "num_warps", "num_stages", "maxnreg")
     return ",".join(f"{k}={int(kwargs[k]) if isinstance(kwargs[k], bool) else kwargs[k]}" for k in keys if k in kwargs)
 
 

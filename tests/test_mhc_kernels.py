@@ -172,6 +172,33 @@ def test_gpu_block_sizes_compute_what_the_cpu_ones_do(n):
 
 
 @interpreted
+@pytest.mark.parametrize("n", [4, 2])
+def test_stream_bwd_gp_scratch_gives_the_same_gradients(n):
+    """GP_SCRATCH routes G phi^T through the program's own dx tile (stored, reloaded, then overwritten by
+    dx): in fp32 that is exact, so every path gives the plain kernel's results bit for bit, with a partial
+    last channel tile (C=48 in 32-channel tiles) and a partial token block (37 tokens in 16-token programs)."""
+    from kernels.mhc_bwd import launch_coef_bwd, launch_stream_bwd
+    from kernels.mhc_fwd import launch_coef_premix
+    inp = make_inputs(n, 48, (37,))
+    x, y, h_res, h_post, phi, alpha, bias = (inp[k] for k in ("x", "y", "h_res", "h_post", "phi", "alpha", "bias"))
+    g = torch.Generator().manual_seed(5)
+    dxo, du = torch.randn(x.shape, generator=g), torch.randn(y.shape, generator=g)
+    direct = lambda kernel: kernel  # noqa: E731
+    x_new, _, hp, hr, raw, rinv = launch_coef_premix(direct, x, y, h_res, h_post, phi, alpha, bias, 20)
+    aux, _, _ = launch_coef_bwd(direct, x_new, du, torch.randn_like(hp), torch.randn_like(hr), raw, rinv, alpha,
+                                bias, 20)
+    paths = {"apply+coefficients": (x, y, h_res, h_post, dxo, du, aux, phi),
+             "coefficients": (x, None, None, None, None, du, aux, phi)}
+    for name, args in paths.items():
+        plain = launch_stream_bwd(direct, *args, dict(BT=16, BC=32, num_warps=4))
+        scratch = launch_stream_bwd(direct, *args, dict(BT=16, BC=32, num_warps=4, GP_SCRATCH=True))
+        for a, b in zip(scratch, plain):
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert torch.equal(a, b), f"{name}: GP_SCRATCH changed a result"
+
+
+@interpreted
 def test_unused_outputs_get_zero_gradients():
     """Autograd passes None for unused outputs; the backward must treat them as zeros."""
     inp = make_inputs(4, 48, (19,))
@@ -327,6 +354,33 @@ def test_bench_dispatches_subcommands(capsys):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             main(["mhc", "--tokens", "64"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [4, 2])
+def test_gpu_stream_bwd_gp_scratch_matches_the_plain_kernel(n):
+    """On the GPU the scratch round trip depends on the barriers (threads may reload what others stored):
+    every GP_SCRATCH block of SWEEP gives the plain kernel's gradients up to G phi^T's bf16 rounding."""
+    from kernels.mhc_bwd import launch_coef_bwd, launch_stream_bwd
+    from kernels.mhc_fwd import launch_coef_premix
+    from scripts.bench_kernels import SWEEP
+    inp = make_inputs(n, 512, (3001,), device="cuda", dtype=torch.bfloat16)
+    x, y, h_res, h_post, phi, alpha, bias = (inp[k] for k in ("x", "y", "h_res", "h_post", "phi", "alpha", "bias"))
+    g = torch.Generator(device="cuda").manual_seed(5)
+    dxo = torch.randn(x.shape, generator=g, device="cuda").to(x.dtype)
+    du = torch.randn(y.shape, generator=g, device="cuda").to(y.dtype)
+    direct = lambda kernel: kernel  # noqa: E731
+    x_new, _, hp, hr, raw, rinv = launch_coef_premix(direct, x, y, h_res, h_post, phi, alpha, bias, 20)
+    aux, _, _ = launch_coef_bwd(direct, x_new, du, torch.randn_like(hp), torch.randn_like(hr), raw, rinv, alpha,
+                                bias, 20)
+    args = (x, y, h_res, h_post, dxo, du, aux, phi)
+    plain = launch_stream_bwd(direct, *args)
+    configs = [cfg for cfg in SWEEP["stream_bwd"] if cfg.get("GP_SCRATCH")]
+    assert configs
+    for cfg in configs:
+        for a, b in zip(launch_stream_bwd(direct, *args, dict(cfg)), plain):
+            assert rel(a, b) < 1e-2, f"{cfg}: rel err {rel(a, b):.2e}"
 
 
 @pytest.mark.gpu
