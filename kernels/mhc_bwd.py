@@ -142,7 +142,7 @@ def stream_bwd_kernel(
     GP_SCRATCH: G phi^T goes through the program's own dx tile (stored in the stream dtype, reloaded,
     overwritten by dx below). Without it Triton computes the whole coefficient-path sum in the dot's
     layout and holds the x tiles and per-token coefficients in two layouts (n=4: 255 registers, 60
-    layout conversions); the reload keeps the loop in the loads' layout (n=4: 160-172 registers at
+    layout conversions); the reload keeps the loop in the loads' layout (n=4: 159-172 registers at
     4 elements per thread, sm_90, no spill). Rounding G phi^T to the stream dtype is what the
     reference's bf16 matmul output does."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -183,9 +183,10 @@ def stream_bwd_kernel(
         if COEF:
             du = tl.load(du_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
             if GP_SCRATCH:
+                gps = ()
                 for i in tl.static_range(n):
-                    gp = _g_phi(g, phit_ptr, col, i * C + c, cmask, N, K)
-                    tl.store(dx_ptr + row[:, None] + i * C + c[None, :], gp.to(dx_ptr.dtype.element_ty), mask=m2)
+                    gps = gps + (_g_phi(g, phit_ptr, col, i * C + c, cmask, N, K),)
+                store_streams(dx_ptr, row, c, m2, gps, C, n)
                 tl.debug_barrier()  # written by other threads of this program (if the layouts differ)
                 gps = load_streams(dx_ptr, row, c, m2, C, n)
                 tl.debug_barrier()  # every thread has its G phi^T before any thread stores dx there

@@ -171,22 +171,31 @@ def test_gpu_block_sizes_compute_what_the_cpu_ones_do(n):
         assert a.shape == b.shape and rel(a, b) < 1e-5, f"result {i}: rel err {rel(a, b):.2e}"
 
 
+def stream_bwd_args(n, C, lead, device="cpu", dtype=torch.float32):
+    """launch_stream_bwd's inputs for the apply + coefficient path: streams, coefficients and incoming
+    gradients, with aux from the real forward and coefficient backward."""
+    from kernels.mhc_bwd import launch_coef_bwd
+    from kernels.mhc_fwd import launch_coef_premix
+    inp = make_inputs(n, C, lead, device, dtype)
+    x, y, h_res, h_post, phi, alpha, bias = (inp[k] for k in ("x", "y", "h_res", "h_post", "phi", "alpha", "bias"))
+    g = torch.Generator().manual_seed(5)
+    dxo, du = (torch.randn(t.shape, generator=g).to(device=device, dtype=dtype) for t in (x, y))
+    direct = lambda kernel: kernel  # noqa: E731
+    x_new, _, hp, hr, raw, rinv = launch_coef_premix(direct, x, y, h_res, h_post, phi, alpha, bias, 20)
+    aux, _, _ = launch_coef_bwd(direct, x_new, du, torch.randn_like(hp), torch.randn_like(hr), raw, rinv, alpha,
+                                bias, 20)
+    return x, y, h_res, h_post, dxo, du, aux, phi
+
+
 @interpreted
 @pytest.mark.parametrize("n", [4, 2])
 def test_stream_bwd_gp_scratch_gives_the_same_gradients(n):
     """GP_SCRATCH routes G phi^T through the program's own dx tile (stored, reloaded, then overwritten by
     dx): in fp32 that is exact, so every path gives the plain kernel's results bit for bit, with a partial
     last channel tile (C=48 in 32-channel tiles) and a partial token block (37 tokens in 16-token programs)."""
-    from kernels.mhc_bwd import launch_coef_bwd, launch_stream_bwd
-    from kernels.mhc_fwd import launch_coef_premix
-    inp = make_inputs(n, 48, (37,))
-    x, y, h_res, h_post, phi, alpha, bias = (inp[k] for k in ("x", "y", "h_res", "h_post", "phi", "alpha", "bias"))
-    g = torch.Generator().manual_seed(5)
-    dxo, du = torch.randn(x.shape, generator=g), torch.randn(y.shape, generator=g)
+    from kernels.mhc_bwd import launch_stream_bwd
+    x, y, h_res, h_post, dxo, du, aux, phi = stream_bwd_args(n, 48, (37,))
     direct = lambda kernel: kernel  # noqa: E731
-    x_new, _, hp, hr, raw, rinv = launch_coef_premix(direct, x, y, h_res, h_post, phi, alpha, bias, 20)
-    aux, _, _ = launch_coef_bwd(direct, x_new, du, torch.randn_like(hp), torch.randn_like(hr), raw, rinv, alpha,
-                                bias, 20)
     paths = {"apply+coefficients": (x, y, h_res, h_post, dxo, du, aux, phi),
              "coefficients": (x, None, None, None, None, du, aux, phi)}
     for name, args in paths.items():
@@ -362,19 +371,10 @@ def test_bench_dispatches_subcommands(capsys):
 def test_gpu_stream_bwd_gp_scratch_matches_the_plain_kernel(n):
     """On the GPU the scratch round trip depends on the barriers (threads may reload what others stored):
     every GP_SCRATCH block of SWEEP gives the plain kernel's gradients up to G phi^T's bf16 rounding."""
-    from kernels.mhc_bwd import launch_coef_bwd, launch_stream_bwd
-    from kernels.mhc_fwd import launch_coef_premix
+    from kernels.mhc_bwd import launch_stream_bwd
     from scripts.bench_kernels import SWEEP
-    inp = make_inputs(n, 512, (3001,), device="cuda", dtype=torch.bfloat16)
-    x, y, h_res, h_post, phi, alpha, bias = (inp[k] for k in ("x", "y", "h_res", "h_post", "phi", "alpha", "bias"))
-    g = torch.Generator(device="cuda").manual_seed(5)
-    dxo = torch.randn(x.shape, generator=g, device="cuda").to(x.dtype)
-    du = torch.randn(y.shape, generator=g, device="cuda").to(y.dtype)
+    args = stream_bwd_args(n, 512, (3001,), device="cuda", dtype=torch.bfloat16)
     direct = lambda kernel: kernel  # noqa: E731
-    x_new, _, hp, hr, raw, rinv = launch_coef_premix(direct, x, y, h_res, h_post, phi, alpha, bias, 20)
-    aux, _, _ = launch_coef_bwd(direct, x_new, du, torch.randn_like(hp), torch.randn_like(hr), raw, rinv, alpha,
-                                bias, 20)
-    args = (x, y, h_res, h_post, dxo, du, aux, phi)
     plain = launch_stream_bwd(direct, *args)
     configs = [cfg for cfg in SWEEP["stream_bwd"] if cfg.get("GP_SCRATCH")]
     assert configs
