@@ -41,7 +41,7 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     "coef_premix": [dict(BT=16, BC=64, num_warps=4), dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=2)],
     "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
                  dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
-    # GP_SCRATCH (G phi^T through the dx tile, kernels/mhc_bwd.py) takes n=4 from 255 registers to 160-172 at
+    # GP_SCRATCH (G phi^T through the dx tile, kernels/mhc_bwd.py) takes n=4 from 255 registers to 159-172 at
     # 4 elements per thread (scripts/kernel_resources.py); its rows are not timed yet.
     "stream_bwd": [dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4), dict(BT=64, BC=16, num_warps=4),
                    dict(BT=32, BC=16, num_warps=2, GP_SCRATCH=True), dict(BT=16, BC=32, num_warps=4, GP_SCRATCH=True),
