@@ -42,7 +42,8 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
                  dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
     # GP_SCRATCH (G phi^T through the dx tile, kernels/mhc_bwd.py) takes n=4 from 255 registers to 159-172 at
-    # 4 elements per thread (scripts/kernel_resources.py); its rows are not timed yet.
+    # 4 elements per thread (scripts/kernel_resources.py). On an H100 (session 8) it was slower at n=4 on every
+    # row (1.076-1.483 ms against 1.025) and faster at n=2 (16/64/4 warps: 0.340 ms against 0.406), n=2's default.
     "stream_bwd": [dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4), dict(BT=64, BC=16, num_warps=4),
                    dict(BT=32, BC=16, num_warps=2, GP_SCRATCH=True), dict(BT=16, BC=32, num_warps=4, GP_SCRATCH=True),
                    dict(BT=32, BC=16, num_warps=4, GP_SCRATCH=True), dict(BT=16, BC=16, num_warps=2, GP_SCRATCH=True),

@@ -146,8 +146,8 @@ def test_dphi_kernel_is_xT_G_for_any_shape(n, C, T, cfg):
 @pytest.mark.parametrize("n", [4, 2])
 def test_gpu_block_sizes_compute_what_the_cpu_ones_do(n):
     """The GPU defaults (block shapes the interpreter tests do not otherwise use: stream_bwd's 32 tokens x
-    16 channels at n=4 and 16 x 64 at n=2, coef_bwd's 128-token programs) give the CPU defaults' results,
-    tokens and channels partial."""
+    16 channels at n=4 and 16 x 64 through the GP_SCRATCH path at n=2, coef_bwd's 128-token programs) give
+    the CPU defaults' results, tokens and channels partial."""
     from kernels.mhc_bwd import (coef_bwd_config, dphi_config, launch_coef_bwd, launch_dphi, launch_stream_bwd,
                                  stream_bwd_config)
     from kernels.mhc_fwd import fwd_config, launch_coef_premix
@@ -371,11 +371,11 @@ def test_bench_dispatches_subcommands(capsys):
 def test_gpu_stream_bwd_gp_scratch_matches_the_plain_kernel(n):
     """On the GPU the scratch round trip depends on the barriers (threads may reload what others stored):
     every GP_SCRATCH block of SWEEP gives the plain kernel's gradients up to G phi^T's bf16 rounding."""
-    from kernels.mhc_bwd import launch_stream_bwd
+    from kernels.mhc_bwd import launch_stream_bwd, stream_bwd_config
     from scripts.bench_kernels import SWEEP
     args = stream_bwd_args(n, 512, (3001,), device="cuda", dtype=torch.bfloat16)
     direct = lambda kernel: kernel  # noqa: E731
-    plain = launch_stream_bwd(direct, *args)
+    plain = launch_stream_bwd(direct, *args, dict(stream_bwd_config(args[0].device, n), GP_SCRATCH=False))
     configs = [cfg for cfg in SWEEP["stream_bwd"] if cfg.get("GP_SCRATCH")]
     assert configs
     for cfg in configs:
