@@ -27,10 +27,12 @@ def coef_premix_kernel(
     xnew_ptr, u_ptr, hpost_out_ptr, hres_out_ptr, raw_ptr, rinv_ptr,
     T, C,
     n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr, EPS: tl.constexpr,
-    APPLY: tl.constexpr, LOWP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    APPLY: tl.constexpr, APPLY_PASS: tl.constexpr, LOWP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
 ):
     """LOWP (bf16 streams): the projection x'.phi takes bf16 operands (fp32 accumulate), as the
-    reference's matmul does under the model's bf16 autocast."""
+    reference's matmul does under the model's bf16 autocast. APPLY_PASS: the apply runs as a pass of its
+    own over all channels before the projection, so that neither loop holds a barrier (pass 1 otherwise
+    stores, syncs and reloads each channel tile, which keeps its loads from overlapping iterations)."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -43,6 +45,16 @@ def coef_premix_kernel(
     else:
         src_ptr = x_ptr
 
+    if APPLY:
+        if APPLY_PASS:  # pass 0: x' for all of this program's channels, then one barrier
+            for c0 in range(0, C, BC):
+                c = c0 + tl.arange(0, BC)
+                m2 = tmask[:, None] & (c < C)[None, :]
+                y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+                xs = apply_streams(load_streams(x_ptr, row, c, m2, C, n), y, h_res_in, h_post_in, n)
+                store_streams(xnew_ptr, row, c, m2, xs, C, n)
+            tl.debug_barrier()
+
     # Pass 1: one read of the streams feeds the projection and the sum of squares.
     acc = tl.zeros([BT, NP], tl.float32)
     ss = tl.zeros([BT], tl.float32)
@@ -50,15 +62,18 @@ def coef_premix_kernel(
         c = c0 + tl.arange(0, BC)
         cmask = c < C
         m2 = tmask[:, None] & cmask[None, :]
-        xs = load_streams(x_ptr, row, c, m2, C, n, KEEP_DTYPE=LOWP)
-        if APPLY:
-            y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-            store_streams(xnew_ptr, row, c, m2, apply_streams(xs, y, h_res_in, h_post_in, n), C, n)
-            # The projection reads x' back as stored (the reference rounds it too). Reading it from
-            # memory, not registers, also stops Triton from recomputing the apply in the dot-operand
-            # layout (replicated across warps), which doubled the registers and spilled.
-            tl.debug_barrier()
-            xs = load_streams(xnew_ptr, row, c, m2, C, n, KEEP_DTYPE=LOWP)
+        if APPLY_PASS:
+            xs = load_streams(src_ptr, row, c, m2, C, n, KEEP_DTYPE=LOWP)
+        else:
+            xs = load_streams(x_ptr, row, c, m2, C, n, KEEP_DTYPE=LOWP)
+            if APPLY:
+                y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+                store_streams(xnew_ptr, row, c, m2, apply_streams(xs, y, h_res_in, h_post_in, n), C, n)
+                # The projection reads x' back as stored (the reference rounds it too). Reading it from
+                # memory, not registers, also stops Triton from recomputing the apply in the dot-operand
+                # layout (replicated across warps), which doubled the registers and spilled.
+                tl.debug_barrier()
+                xs = load_streams(xnew_ptr, row, c, m2, C, n, KEEP_DTYPE=LOWP)
         for i in tl.static_range(n):
             xf = xs[i].to(tl.float32)
             ss += tl.sum(xf * xf, axis=1)
@@ -139,12 +154,13 @@ def launch_coef_premix(launch, x, y, h_res, h_post, phi, alpha, bias, iters: int
     rinv = torch.empty((T,), **f32)
     BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"), n)
     lowp = cfg.pop("LOWP", x.dtype == torch.bfloat16)
+    apply_pass = cfg.pop("APPLY_PASS", False)
     phit = phi_operand(phi, x.dtype, lowp)
     grid = (triton.cdiv(T, BT),)
     launch(coef_premix_kernel)[grid](
         x, y if apply else x, h_res if apply else raw, h_post if apply else raw,
         phit, alpha, bias, x_new if apply else x, u, h_post_out, h_res_out, raw, rinv,
-        T, C, n=n, N=N, NP=padded_columns(n), ITERS=iters, EPS=RMS_EPS, APPLY=apply, LOWP=lowp,
+        T, C, n=n, N=N, NP=padded_columns(n), ITERS=iters, EPS=RMS_EPS, APPLY=apply, APPLY_PASS=apply_pass, LOWP=lowp,
         BT=BT, BC=BC, **cfg)
     return x_new, u, h_post_out, h_res_out, raw, rinv
 

@@ -38,7 +38,12 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     # 96 the same as at its own 128 (session 7); stream_bwd loading each channel tile an iteration ahead (a
     # loop-carried tile): 1.42 ms against 1.04 at n=4, and at n=2 slower than the wide tile without it (session 7).
     # The first row is the n=4 default; kernels/mhc_bwd.py picks stream_bwd's default per n.
-    "coef_premix": [dict(BT=16, BC=64, num_warps=4), dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=2)],
+    # APPLY_PASS (kernels/mhc_fwd.py): the apply in a loop of its own, then a projection loop with no barrier.
+    "coef_premix": [dict(BT=16, BC=64, num_warps=4), dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=2),
+                    dict(BT=16, BC=64, num_warps=4, APPLY_PASS=True), dict(BT=16, BC=128, num_warps=4, APPLY_PASS=True),
+                    dict(BT=32, BC=64, num_warps=4, APPLY_PASS=True), dict(BT=16, BC=64, num_warps=8, APPLY_PASS=True),
+                    dict(BT=16, BC=64, num_warps=4, num_stages=4, APPLY_PASS=True),
+                    dict(BT=32, BC=32, num_warps=4, APPLY_PASS=True)],
     "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
                  dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
     # GP_SCRATCH (G phi^T through the dx tile, kernels/mhc_bwd.py) takes n=4 from 255 registers to 159-172 at

@@ -208,6 +208,24 @@ def test_stream_bwd_gp_scratch_gives_the_same_gradients(n):
 
 
 @interpreted
+@pytest.mark.parametrize("n", [4, 2])
+def test_coef_premix_apply_pass_gives_the_same_results(n):
+    """APPLY_PASS writes x' for all channels before the projection pass reads it back; the plain kernel
+    writes and rereads it tile by tile. Both project the stored x', so in fp32 every output is the same bit
+    for bit, with a partial channel tile (C=48 in 32-channel tiles) and a partial token block (37 in 16)."""
+    from kernels.mhc_fwd import launch_coef_premix
+    inp = make_inputs(n, 48, (37,))
+    x, y, h_res, h_post, phi, alpha, bias = (inp[k] for k in ("x", "y", "h_res", "h_post", "phi", "alpha", "bias"))
+    direct = lambda kernel: kernel  # noqa: E731
+    for ys in ((y, h_res, h_post), (None, None, None)):
+        plain = launch_coef_premix(direct, x, *ys, phi, alpha, bias, 20, dict(BT=16, BC=32, num_warps=4))
+        split = launch_coef_premix(direct, x, *ys, phi, alpha, bias, 20,
+                                   dict(BT=16, BC=32, num_warps=4, APPLY_PASS=True))
+        for i, (a, b) in enumerate(zip(split, plain)):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"output {i}, apply={ys[0] is not None}"
+
+
+@interpreted
 def test_unused_outputs_get_zero_gradients():
     """Autograd passes None for unused outputs; the backward must treat them as zeros."""
     inp = make_inputs(4, 48, (19,))
@@ -381,6 +399,25 @@ def test_gpu_stream_bwd_gp_scratch_matches_the_plain_kernel(n):
     for cfg in configs:
         for a, b in zip(launch_stream_bwd(direct, *args, dict(cfg)), plain):
             assert rel(a, b) < 1e-2, f"{cfg}: rel err {rel(a, b):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [4, 2])
+def test_gpu_coef_premix_apply_pass_matches_the_plain_kernel(n):
+    """Every APPLY_PASS block of SWEEP gives the plain kernel's forward outputs on the GPU, where pass 1
+    depends on the barrier after pass 0 (threads read back x' that other threads wrote)."""
+    from kernels.mhc_fwd import fwd_config, launch_coef_premix
+    from scripts.bench_kernels import SWEEP
+    inp = make_inputs(n, 512, (3001,), "cuda", torch.bfloat16)
+    args = [inp[k] for k in ("x", "y", "h_res", "h_post", "phi", "alpha", "bias")]
+    direct = lambda kernel: kernel  # noqa: E731
+    plain = launch_coef_premix(direct, *args, 20, dict(fwd_config(args[0].device), APPLY_PASS=False))
+    configs = [cfg for cfg in SWEEP["coef_premix"] if cfg.get("APPLY_PASS")]
+    assert configs
+    for cfg in configs:
+        for i, (a, b) in enumerate(zip(launch_coef_premix(direct, *args, 20, dict(cfg)), plain)):
+            assert rel(a, b) < 1e-3, f"{cfg}, output {i}: rel err {rel(a, b):.2e}"
 
 
 @pytest.mark.gpu
