@@ -5,7 +5,8 @@ Streams are [T, n, C] (T tokens, contiguous); coefficients are fp32. Two kernels
     streams x' the projection x'.phi fused with the sum of squares, the gates, Sinkhorn, and the
     pre-mix u = sum_i H_pre[i] x'_i. One program owns BT tokens and all n*C of their channels:
     pass 1 streams the channels once (feeding the apply, the dot and the sum of squares); pass 2
-    re-reads x' for the pre-mix while it is still in L2.
+    re-reads x' for the pre-mix while it is still in L2. With APPLY_PASS (the n=4 default on a GPU)
+    the apply is a pass 0 of its own and pass 1 reads x' back from L2.
   apply: x' = H_res x + H_post y alone (the last sublayer, which has no next coefficients).
 """
 from __future__ import annotations
@@ -130,11 +131,15 @@ def apply_kernel(x_ptr, y_ptr, hres_ptr, hpost_ptr, xnew_ptr, T, C,
 
 # ---------------------------------------------------------------- launchers (make_fx traceable)
 
-def fwd_config(device: torch.device) -> dict:
-    """Block sizes of coef_premix: tokens per program and channels per pass-1 step."""
-    if device.type == "cuda":
-        return dict(BT=16, BC=64, num_warps=4)  # fastest of scripts/bench_kernels.py mhc --sweep on an H100
-    return dict(BT=16, BC=32, num_warps=4)
+def fwd_config(device: torch.device, n: int) -> dict:
+    """Block sizes of coef_premix: tokens per program and channels per pass-1 step. The fastest of
+    scripts/bench_kernels.py mhc --sweep on an H100 (session 8): at n=4 the separate apply pass on 32-token
+    programs, 0.716 ms against 0.739 for 16 tokens without it (in the training step 15.35 against 16.19 ms
+    over 22 calls); at n=2 every APPLY_PASS block was slower (0.371-0.629 ms against 0.326). n=8 is not
+    measured and keeps the plain kernel."""
+    if device.type != "cuda":
+        return dict(BT=16, BC=32, num_warps=4)
+    return dict(BT=32, BC=64, num_warps=4, APPLY_PASS=True) if n == 4 else dict(BT=16, BC=64, num_warps=4)
 
 
 def launch_coef_premix(launch, x, y, h_res, h_post, phi, alpha, bias, iters: int, cfg: dict | None = None):
@@ -142,7 +147,7 @@ def launch_coef_premix(launch, x, y, h_res, h_post, phi, alpha, bias, iters: int
     (x' or None, u [T, C], h_post' [T, n], h_res' [T, n, n], raw [T, N], inv_rms [T])."""
     T, n, C = x.shape
     check_streams(n, C, "mhc coefficients")
-    cfg = dict(fwd_config(x.device) if cfg is None else cfg)
+    cfg = dict(fwd_config(x.device, n) if cfg is None else cfg)
     N = num_coefficients(n)
     apply = y is not None
     f32 = dict(device=x.device, dtype=torch.float32)

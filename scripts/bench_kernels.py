@@ -37,22 +37,24 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     # 1.34/2.17/3.13 ms against 1.03 uncapped (the spills cost more than the occupancy gains), coef_premix at
     # 96 the same as at its own 128 (session 7); stream_bwd loading each channel tile an iteration ahead (a
     # loop-carried tile): 1.42 ms against 1.04 at n=4, and at n=2 slower than the wide tile without it (session 7).
-    # The first row is the n=4 default; kernels/mhc_bwd.py picks stream_bwd's default per n.
+    # The first row is the n=4 default; kernels/mhc_fwd.py and kernels/mhc_bwd.py pick coef_premix's and
+    # stream_bwd's defaults per n.
     # APPLY_PASS (kernels/mhc_fwd.py): the apply in a loop of its own, then a projection loop with no barrier.
-    "coef_premix": [dict(BT=16, BC=64, num_warps=4), dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=2),
-                    dict(BT=16, BC=64, num_warps=4, APPLY_PASS=True), dict(BT=16, BC=128, num_warps=4, APPLY_PASS=True),
-                    dict(BT=32, BC=64, num_warps=4, APPLY_PASS=True), dict(BT=16, BC=64, num_warps=8, APPLY_PASS=True),
-                    dict(BT=16, BC=64, num_warps=4, num_stages=4, APPLY_PASS=True),
-                    dict(BT=32, BC=32, num_warps=4, APPLY_PASS=True)],
+    # Dropped on an H100 (session 8, n=4 / n=2 ms): BT=16/BC=128 (0.941 / 0.371), 8 warps (1.200 / 0.629),
+    # num_stages=4 (0.821 / 0.387) and BT=32/BC=32 (0.848 / 0.470), against 0.716 / 0.326 for the defaults.
+    "coef_premix": [dict(BT=32, BC=64, num_warps=4, APPLY_PASS=True), dict(BT=16, BC=64, num_warps=4),
+                    dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=2),
+                    dict(BT=16, BC=64, num_warps=4, APPLY_PASS=True)],
     "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
                  dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
     # GP_SCRATCH (G phi^T through the dx tile, kernels/mhc_bwd.py) takes n=4 from 255 registers to 159-172 at
     # 4 elements per thread (scripts/kernel_resources.py). On an H100 (session 8) it was slower at n=4 on every
-    # row (1.076-1.483 ms against 1.025) and faster at n=2 (16/64/4 warps: 0.340 ms against 0.406), n=2's default.
+    # block (1.076-1.483 ms against 1.025) and faster at n=2 (16/64/4 warps: 0.340 ms against 0.406), n=2's
+    # default. Dropped: BT=16/BC=32/4 warps, BT=32/BC=16/4 warps and BT=16/BC=16/2 warps (n=4: 1.13-1.28 ms,
+    # n=2: 0.43-0.55 ms).
     "stream_bwd": [dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4), dict(BT=64, BC=16, num_warps=4),
-                   dict(BT=32, BC=16, num_warps=2, GP_SCRATCH=True), dict(BT=16, BC=32, num_warps=4, GP_SCRATCH=True),
-                   dict(BT=32, BC=16, num_warps=4, GP_SCRATCH=True), dict(BT=16, BC=16, num_warps=2, GP_SCRATCH=True),
-                   dict(BT=16, BC=64, num_warps=8, GP_SCRATCH=True), dict(BT=16, BC=64, num_warps=4, GP_SCRATCH=True)],
+                   dict(BT=32, BC=16, num_warps=2, GP_SCRATCH=True), dict(BT=16, BC=64, num_warps=8, GP_SCRATCH=True),
+                   dict(BT=16, BC=64, num_warps=4, GP_SCRATCH=True)],
     "dphi": [dict(BT=32, BK=128, num_warps=4), dict(BT=64, BK=128, num_warps=4), dict(BT=64, BK=256, num_warps=8),
              dict(BT=128, BK=64, num_warps=4), dict(BT=32, BK=128, num_warps=4, splits=66)],
 }

@@ -142,7 +142,7 @@ def default_configs(n: int) -> dict:
     from kernels.mhc_bwd import coef_bwd_config, dphi_config, stream_bwd_config
     from kernels.mhc_fwd import fwd_config
     gpu = torch.device("cuda")
-    return {"coef_premix": fwd_config(gpu), "coef_bwd": coef_bwd_config(gpu), "stream_bwd": stream_bwd_config(gpu, n),
+    return {"coef_premix": fwd_config(gpu, n), "coef_bwd": coef_bwd_config(gpu), "stream_bwd": stream_bwd_config(gpu, n),
             "dphi": dphi_config(gpu)}
 
 

@@ -146,8 +146,8 @@ def test_dphi_kernel_is_xT_G_for_any_shape(n, C, T, cfg):
 @pytest.mark.parametrize("n", [4, 2])
 def test_gpu_block_sizes_compute_what_the_cpu_ones_do(n):
     """The GPU defaults (block shapes the interpreter tests do not otherwise use: stream_bwd's 32 tokens x
-    16 channels at n=4 and 16 x 64 through the GP_SCRATCH path at n=2, coef_bwd's 128-token programs) give
-    the CPU defaults' results, tokens and channels partial."""
+    16 channels at n=4 and 16 x 64 through the GP_SCRATCH path at n=2, coef_premix's APPLY_PASS at n=4,
+    coef_bwd's 128-token programs) give the CPU defaults' results, tokens and channels partial."""
     from kernels.mhc_bwd import (coef_bwd_config, dphi_config, launch_coef_bwd, launch_dphi, launch_stream_bwd,
                                  stream_bwd_config)
     from kernels.mhc_fwd import fwd_config, launch_coef_premix
@@ -159,7 +159,7 @@ def test_gpu_block_sizes_compute_what_the_cpu_ones_do(n):
     direct = lambda kernel: kernel  # noqa: E731
 
     def unit(device):
-        fwd = launch_coef_premix(direct, x, y, h_res, h_post, phi, alpha, bias, 20, fwd_config(device))
+        fwd = launch_coef_premix(direct, x, y, h_res, h_post, phi, alpha, bias, 20, fwd_config(device, n))
         x_new, _, _, _, raw, rinv = fwd
         aux, dalpha, dbias = launch_coef_bwd(direct, x_new, du, dhp, dhr, raw, rinv, alpha, bias, 20,
                                              coef_bwd_config(device))
@@ -412,7 +412,7 @@ def test_gpu_coef_premix_apply_pass_matches_the_plain_kernel(n):
     inp = make_inputs(n, 512, (3001,), "cuda", torch.bfloat16)
     args = [inp[k] for k in ("x", "y", "h_res", "h_post", "phi", "alpha", "bias")]
     direct = lambda kernel: kernel  # noqa: E731
-    plain = launch_coef_premix(direct, *args, 20, dict(fwd_config(args[0].device), APPLY_PASS=False))
+    plain = launch_coef_premix(direct, *args, 20, dict(fwd_config(args[0].device, n), APPLY_PASS=False))
     configs = [cfg for cfg in SWEEP["coef_premix"] if cfg.get("APPLY_PASS")]
     assert configs
     for cfg in configs:
