@@ -26,6 +26,7 @@ class ModelConfig:
     sinkhorn_iters: int = 20           # Sinkhorn-Knopp rounds for H_res
     mhc_alpha_init: float = 0.01       # initial alpha_pre/post/res
     mhc_granularity: str = "sublayer"  # sublayer: around attention and MLP; block: around each block (half the traffic)
+    mhc_blocks: int = 0                # mHC on the first k blocks only, plain residual after them; 0 = all blocks
     rope_base: float = 10000.0
     rope_dims: int = 0                 # partial RoPE: rotate the first rope_dims dims of each head; 0 = all
     logit_softcap: float = 30.0        # tanh softcap on logits; 0 disables
@@ -83,6 +84,10 @@ class ModelConfig:
         if self.mhc_granularity not in MHC_GRANULARITIES:
             raise ValueError(f"model.mhc_granularity={self.mhc_granularity!r}: expected 'sublayer' (mHC around "
                              "every attention and MLP) or 'block' (around each block, half the stream traffic)")
+        if not 0 <= self.mhc_blocks <= self.n_layers or (self.mhc_blocks and self.n_streams < 2):
+            raise ValueError(f"model.mhc_blocks={self.mhc_blocks} must be in [0, n_layers={self.n_layers}] and "
+                             f"needs n_streams >= 2 (got {self.n_streams}); hint: it counts the leading blocks "
+                             "with mHC, 0 = all")
         if self.unet_skips and self.n_layers < 2:
             raise ValueError(f"model.unet_skips needs n_layers >= 2 (got {self.n_layers}): "
                              "one encoder and one decoder block")

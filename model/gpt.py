@@ -18,6 +18,10 @@ decoder blocks. What a skip carries depends on the residual wiring:
     input rather than the block's output also keeps the first decoder block's skip from being its
     own input again (the last encoder block's output is exactly what it reads next), and gives the
     deepest skip (into block 2*n_enc - 1) the input of block 0, i.e. the embedding.
+With mhc_blocks = k > 0 only the first k blocks have mHC: after them the head's learned readout
+collapses the streams into one residual stream and the remaining blocks are plain, so the stream
+traffic (the cost of mHC) scales with k. A skip then carries u from an mHC encoder block and x from
+a plain one, and is added to u or x by the decoder block, whichever wiring that block has.
 """
 from __future__ import annotations
 
@@ -45,10 +49,12 @@ class GPT(nn.Module):
             scale = (layer + 1) ** -0.5 if cfg.layer_norm_scale else 1.0
             self.sublayers.append(Sublayer(Attention(cfg, layer, rope), C, scale))
             self.sublayers.append(Sublayer(MLP(cfg), C, scale))
+        self.mhc_blocks = (cfg.mhc_blocks or cfg.n_layers) if n > 1 else 0
         if n > 1:
-            units = cfg.n_layers if cfg.mhc_granularity == "block" else len(self.sublayers)
+            units = self.mhc_blocks * (1 if cfg.mhc_granularity == "block" else 2)
             self.mhc = nn.ModuleList(MHCParams(n, C, cfg.mhc_alpha_init) for _ in range(units))
-            self.readout = nn.Parameter(torch.full((n,), 1.0 / n))  # head reads Σ_i w_i x_i; starts as the mean
+            # Σ_i w_i x_i after the last mHC block (for the head, or the plain blocks after mhc_blocks); the mean at init
+            self.readout = nn.Parameter(torch.full((n,), 1.0 / n))
             self.ops = mhc_ops(cfg.mhc_kernels)
         self.final_norm = RMSNorm(C)
         # Optional modules are only created when on, so the default model is the plain one, parameter
@@ -124,10 +130,12 @@ class GPT(nn.Module):
             return self._hidden_plain(x, value_embed)
         return self._hidden_mhc(x, value_embed)
 
-    def _hidden_plain(self, x: torch.Tensor, value_embed: torch.Tensor | None) -> torch.Tensor:
-        saved: list[torch.Tensor] = []  # U-Net: residual stream after each encoder block
-        for l, sub in enumerate(self.sublayers):
-            block = l // 2
+    def _hidden_plain(self, x: torch.Tensor, value_embed: torch.Tensor | None, first_block: int = 0,
+                      saved: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Plain pre-norm residual blocks from first_block on; saved holds the U-Net skips of earlier blocks."""
+        saved = [] if saved is None else saved  # U-Net: residual stream after each encoder block
+        for l in range(2 * first_block, len(self.sublayers)):
+            sub, block = self.sublayers[l], l // 2
             if self.unet is not None and l % 2 == 0:
                 x = self.unet.add(x, block, saved)
             x = x + sub(x, *self._extra(l, value_embed))
@@ -165,7 +173,10 @@ class GPT(nn.Module):
         # An elementwise product and a sum over the stream axis, not an einsum: einsum lowers to a matrix
         # product with K = n (forward) and K = 1 (backward) over all B*T*C elements, which cuBLAS ran
         # as GEMV kernels taking 3.1 ms (n=4) and 6.0 ms (n=2) of an H100 step; this inductor fuses.
-        return (streams.float() * self.readout.float()[:, None]).sum(dim=-2)
+        x = (streams.float() * self.readout.float()[:, None]).sum(dim=-2)
+        if self.mhc_blocks < self.cfg.n_layers:
+            x = self._hidden_plain(x, value_embed, self.mhc_blocks, saved)
+        return x
 
     def _observe_mhc_input(self, unit: int, streams: torch.Tensor) -> None:
         if self.quant_observer is not None:

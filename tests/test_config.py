@@ -37,6 +37,7 @@ def test_overrides_apply_after_the_file_with_types():
     ("quant.allocator=greedy", "quant.allocator='greedy': expected 'rank' or 'lagrangian'"),
     ("quant.error_weight=loss", "quant.error_weight='loss': expected 'output' or 'fisher'"),
     ("model.mhc_granularity=layer", "model.mhc_granularity='layer'"),
+    ("model.mhc_blocks=12", "model.mhc_blocks=12 must be in [0, n_layers=11]"),
     ("model.n_streams=0", "n_streams"),
 ])
 def test_bad_overrides_name_the_field(override, message):

@@ -33,10 +33,11 @@ def randomize_(model: GPT, scale: float = 0.3) -> GPT:
     return model
 
 
-@pytest.mark.parametrize("n_streams,granularity", [(1, "sublayer"), (4, "sublayer"), (4, "block"), (2, "block")])
-def test_causal_including_across_document_boundary(n_streams, granularity):
+@pytest.mark.parametrize("n_streams,granularity,blocks", [(1, "sublayer", 0), (4, "sublayer", 0), (4, "block", 0),
+                                                          (2, "block", 0), (2, "sublayer", 1)])
+def test_causal_including_across_document_boundary(n_streams, granularity, blocks):
     torch.manual_seed(0)
-    model = randomize_(GPT(tiny(n_streams=n_streams, mhc_granularity=granularity))).eval()
+    model = randomize_(GPT(tiny(n_streams=n_streams, mhc_granularity=granularity, mhc_blocks=blocks))).eval()
     idx = torch.randint(4, 64, (1, 24))
     idx[0, 10] = 1  # BOS: a document boundary inside the sequence
     base = model(idx)
@@ -86,12 +87,12 @@ def copy_plain_weights(src: GPT, dst: GPT) -> None:
             dst_params[name].copy_(p)
 
 
-@pytest.mark.parametrize("granularity", ["sublayer", "block"])
+@pytest.mark.parametrize("granularity,blocks", [("sublayer", 0), ("block", 0), ("sublayer", 1)])
 @pytest.mark.parametrize("alpha,tol", [(0.0, 1e-5), (0.01, 5e-2)])
-def test_mhc_network_starts_as_plain_prenorm_residual_network(alpha, tol, granularity):
+def test_mhc_network_starts_as_plain_prenorm_residual_network(alpha, tol, granularity, blocks):
     torch.manual_seed(0)
     plain = randomize_(GPT(tiny(n_streams=1))).eval()
-    mhc = GPT(tiny(n_streams=4, mhc_alpha_init=alpha, mhc_granularity=granularity)).eval()
+    mhc = GPT(tiny(n_streams=4, mhc_alpha_init=alpha, mhc_granularity=granularity, mhc_blocks=blocks)).eval()
     copy_plain_weights(plain, mhc)
     idx = torch.randint(0, 64, (2, 16))
     ref, out = plain(idx), mhc(idx)
@@ -122,6 +123,50 @@ def test_block_granularity_wraps_whole_blocks():
     randomize_(block)
     sub.load_state_dict({k: v for k, v in block.state_dict().items() if not k.startswith("mhc.")}, strict=False)
     assert not torch.allclose(block(idx), sub.eval()(idx), atol=1e-4)
+
+
+@pytest.mark.parametrize("granularity,units", [("sublayer", 4), ("block", 2)])
+def test_mhc_blocks_wraps_the_first_blocks_and_leaves_the_rest_plain(granularity, units):
+    """mhc_blocks=2 of 3: mHC parameters for the first two blocks only, then the streams are read out
+    once and block 2 is a plain pre-norm residual block on that single stream."""
+    torch.manual_seed(0)
+    model = randomize_(GPT(tiny(n_layers=3, n_streams=2, mhc_blocks=2, mhc_granularity=granularity))).eval()
+    assert len(model.mhc) == units
+    idx = torch.randint(0, 64, (2, 16))
+    seen = {}
+    last = model.sublayers[4]
+    hook = last.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0].detach().clone()))
+    out = model(idx)
+    hook.remove()
+    x = seen["x"]  # block 2's input: the readout of the streams after block 1
+    for sub in model.sublayers[4:]:
+        x = x + sub(x)
+    logits = 30 * torch.tanh(F.linear(model.final_norm(x), model.embed.weight) / 30)
+    torch.testing.assert_close(out, logits, atol=1e-5, rtol=1e-5)
+    model.train()
+    model(idx, idx).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    for bad in (dict(mhc_blocks=3), dict(mhc_blocks=-1), dict(n_streams=1, mhc_blocks=1)):
+        with pytest.raises(ValueError, match="model.mhc_blocks"):
+            GPT(tiny(**bad))
+
+
+def test_mhc_blocks_with_the_triton_kernels_matches_the_reference():
+    """The partial network through the kernels (the interpreter on CPU, fp32): the last mHC unit is an
+    apply alone (post), then the readout and the plain block; logits and every gradient as the reference."""
+    from kernels import mhc as K
+    if not (K.HAVE_TRITON and K.INTERPRET):
+        pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1, no CUDA; tests/conftest.py sets it)")
+    torch.manual_seed(0)
+    ref = randomize_(GPT(tiny(n_streams=2, mhc_blocks=1)))
+    ker = GPT(tiny(n_streams=2, mhc_blocks=1, mhc_kernels=True))
+    ker.load_state_dict(ref.state_dict())
+    idx = torch.randint(0, 64, (2, 16))
+    ref(idx, idx).backward()
+    ker(idx, idx).backward()
+    torch.testing.assert_close(ker.logits(idx), ref.logits(idx), atol=1e-4, rtol=1e-4)
+    for (name, a), b in zip(ker.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-3, msg=name)
 
 
 def test_single_stream_is_exactly_plain_residual_and_has_no_mhc_parameters():

@@ -165,13 +165,14 @@ def attention_inputs(model: GPT, idx: torch.Tensor) -> list[torch.Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("n_streams", [1, 4])
-def test_unet_decoder_block_receives_its_mirror_encoder_block(n_streams):
+@pytest.mark.parametrize("n_streams,blocks", [(1, 0), (4, 0), (4, 3)])
+def test_unet_decoder_block_receives_its_mirror_encoder_block(n_streams, blocks):
     """5 blocks: encoder 0-1, decoder 2-4; block 2 <- encoder 1, block 3 <- encoder 0, block 4 none.
     Plain path: the skip is the residual after encoder block i (= block i+1's input); mHC: the
-    attention input u of encoder block i (model/gpt.py explains why)."""
+    attention input u of encoder block i (model/gpt.py explains why). With mhc_blocks=3 the encoder
+    and block 2 have mHC and block 3 is plain: it adds u of encoder block 0 to its residual input."""
     torch.manual_seed(0)
-    model = randomize_(GPT(tiny(n_layers=5, n_streams=n_streams, unet_skips=True))).eval()
+    model = randomize_(GPT(tiny(n_layers=5, n_streams=n_streams, unet_skips=True, mhc_blocks=blocks))).eval()
     assert model.unet.weight.shape == (2, 32) and [model.unet.skip_index(b) for b in range(5)] == [None, None, 0, 1, None]
     assert torch.equal(GPT(tiny(n_layers=5, unet_skips=True)).unet.weight, torch.ones(2, 32))
     idx, shift = tokens(), 1 if n_streams == 1 else 0

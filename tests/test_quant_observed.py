@@ -14,10 +14,10 @@ from quant.pack import QuantizedTensor
 META = {"model_config": {"d": 32}, "tokenizer_sha256": "0" * 64}
 
 
-def mhc_model(granularity: str = "sublayer") -> GPT:
+def mhc_model(granularity: str = "sublayer", blocks: int = 0) -> GPT:
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, n_streams=4,
-                            mhc_granularity=granularity))
+                            mhc_granularity=granularity, mhc_blocks=blocks))
     with torch.no_grad():  # a trained-looking model: sublayers that write, coefficients that vary per token
         for p in model.parameters():
             if p.ndim == 2 and p.abs().max() == 0:
@@ -37,14 +37,14 @@ def phi_names(model) -> list[str]:
     return [name for name in model.state_dict() if name.endswith(".phi")]
 
 
-@pytest.mark.parametrize("granularity", ["sublayer", "block"])
-def test_model_reports_each_phi_input_once_per_forward(granularity):
-    model = mhc_model(granularity)
+@pytest.mark.parametrize("granularity,blocks,units", [("sublayer", 0, 4), ("block", 0, 2), ("sublayer", 1, 2)])
+def test_model_reports_each_phi_input_once_per_forward(granularity, blocks, units):
+    model = mhc_model(granularity, blocks)
     seen = []
     model.quant_observer = lambda name, x: seen.append((name, tuple(x.shape)))
     model(batches(1)[0])
     model.quant_observer = None
-    assert [name for name, _ in seen] == phi_names(model)
+    assert [name for name, _ in seen] == phi_names(model) and len(seen) == units
     assert all(shape == (2, 16, 4 * 32) for _, shape in seen)
     assert all(model.state_dict()[name].shape == (24, 128) for name in phi_names(model))  # [out, in] like a Linear
 
