@@ -329,12 +329,12 @@ def test_all_options_state_dict_round_trip_and_every_linear_is_called(n_streams)
     assert called == {n for n, m in fresh.named_modules() if isinstance(m, nn.Linear)}
 
 
-@pytest.mark.parametrize("n_streams", [1, 4])
-def test_all_options_trace_as_one_graph(n_streams):
+@pytest.mark.parametrize("n_streams,blocks", [(1, 0), (4, 0), (4, 1)])
+def test_all_options_trace_as_one_graph(n_streams, blocks):
     """torch.compile(fullgraph=True) needs no graph breaks (no .item(), no branching on tensor values);
     the eager backend checks the trace without paying for code generation on CPU."""
     torch.manual_seed(0)
-    model = randomize_(GPT(tiny(n_streams=n_streams, **ALL_ON))).eval()
+    model = randomize_(GPT(tiny(n_streams=n_streams, mhc_blocks=blocks, **ALL_ON))).eval()
     idx = tokens()
     compiled = torch.compile(model, backend="eager", fullgraph=True)
     assert torch.allclose(compiled(idx), model(idx), atol=1e-6)
