@@ -103,7 +103,7 @@ def coef_premix_kernel(
         tl.store(hres_out_ptr + t64 * (n * n) + ij, h_res[ij], mask=tmask)
     h_pre = pre_gates(raw_ptr, alpha_ptr, bias_ptr, t64, tmask, N, n)
 
-    # Pass 2: the pre-mix re-reads this program's streams (x' as written in pass 1, from L2).
+    # Pass 2: the pre-mix re-reads this program's streams (x' as written in pass 0 or 1, from L2).
     for c0 in range(0, C, BC):
         c = c0 + tl.arange(0, BC)
         m2 = tmask[:, None] & (c < C)[None, :]
@@ -159,7 +159,7 @@ def launch_coef_premix(launch, x, y, h_res, h_post, phi, alpha, bias, iters: int
     rinv = torch.empty((T,), **f32)
     BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"), n)
     lowp = cfg.pop("LOWP", x.dtype == torch.bfloat16)
-    apply_pass = cfg.pop("APPLY_PASS", False)
+    apply_pass = cfg.pop("APPLY_PASS", False) and apply  # without an apply the two paths are one
     phit = phi_operand(phi, x.dtype, lowp)
     grid = (triton.cdiv(T, BT),)
     launch(coef_premix_kernel)[grid](

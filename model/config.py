@@ -84,10 +84,12 @@ class ModelConfig:
         if self.mhc_granularity not in MHC_GRANULARITIES:
             raise ValueError(f"model.mhc_granularity={self.mhc_granularity!r}: expected 'sublayer' (mHC around "
                              "every attention and MLP) or 'block' (around each block, half the stream traffic)")
-        if not 0 <= self.mhc_blocks <= self.n_layers or (self.mhc_blocks and self.n_streams < 2):
-            raise ValueError(f"model.mhc_blocks={self.mhc_blocks} must be in [0, n_layers={self.n_layers}] and "
-                             f"needs n_streams >= 2 (got {self.n_streams}); hint: it counts the leading blocks "
-                             "with mHC, 0 = all")
+        if not 0 <= self.mhc_blocks <= self.n_layers:
+            raise ValueError(f"model.mhc_blocks={self.mhc_blocks} must be in [0, n_layers={self.n_layers}] "
+                             "(hint: it counts the leading blocks with mHC; 0 = all of them)")
+        if self.mhc_blocks and self.n_streams < 2:
+            raise ValueError(f"model.mhc_blocks={self.mhc_blocks} needs n_streams >= 2, got n_streams="
+                             f"{self.n_streams} (hint: a single stream has no mHC; leave mhc_blocks at 0)")
         if self.unet_skips and self.n_layers < 2:
             raise ValueError(f"model.unet_skips needs n_layers >= 2 (got {self.n_layers}): "
                              "one encoder and one decoder block")

@@ -49,9 +49,10 @@ class GPT(nn.Module):
             scale = (layer + 1) ** -0.5 if cfg.layer_norm_scale else 1.0
             self.sublayers.append(Sublayer(Attention(cfg, layer, rope), C, scale))
             self.sublayers.append(Sublayer(MLP(cfg), C, scale))
-        self.mhc_blocks = (cfg.mhc_blocks or cfg.n_layers) if n > 1 else 0
+        # Blocks with mHC (cfg.mhc_blocks = 0 means all of them); none in the plain network.
+        self.n_mhc_blocks = (cfg.mhc_blocks or cfg.n_layers) if n > 1 else 0
         if n > 1:
-            units = self.mhc_blocks * (1 if cfg.mhc_granularity == "block" else 2)
+            units = self.n_mhc_blocks * (1 if cfg.mhc_granularity == "block" else 2)
             self.mhc = nn.ModuleList(MHCParams(n, C, cfg.mhc_alpha_init) for _ in range(units))
             # Σ_i w_i x_i after the last mHC block (for the head, or the plain blocks after mhc_blocks); the mean at init
             self.readout = nn.Parameter(torch.full((n,), 1.0 / n))
@@ -174,8 +175,8 @@ class GPT(nn.Module):
         # product with K = n (forward) and K = 1 (backward) over all B*T*C elements, which cuBLAS ran
         # as GEMV kernels taking 3.1 ms (n=4) and 6.0 ms (n=2) of an H100 step; this inductor fuses.
         x = (streams.float() * self.readout.float()[:, None]).sum(dim=-2)
-        if self.mhc_blocks < self.cfg.n_layers:
-            x = self._hidden_plain(x, value_embed, self.mhc_blocks, saved)
+        if self.n_mhc_blocks < self.cfg.n_layers:
+            x = self._hidden_plain(x, value_embed, self.n_mhc_blocks, saved)
         return x
 
     def _observe_mhc_input(self, unit: int, streams: torch.Tensor) -> None:

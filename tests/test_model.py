@@ -146,8 +146,9 @@ def test_mhc_blocks_wraps_the_first_blocks_and_leaves_the_rest_plain(granularity
     model.train()
     model(idx, idx).backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
-    for bad in (dict(mhc_blocks=3), dict(mhc_blocks=-1), dict(n_streams=1, mhc_blocks=1)):
-        with pytest.raises(ValueError, match="model.mhc_blocks"):
+    for bad, match in ((dict(mhc_blocks=3), "must be in"), (dict(mhc_blocks=-1), "must be in"),
+                       (dict(n_streams=1, mhc_blocks=1), "needs n_streams >= 2")):
+        with pytest.raises(ValueError, match=f"model.mhc_blocks=.* {match}"):
             GPT(tiny(**bad))
 
 

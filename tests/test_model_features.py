@@ -165,18 +165,22 @@ def attention_inputs(model: GPT, idx: torch.Tensor) -> list[torch.Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("n_streams,blocks", [(1, 0), (4, 0), (4, 3)])
-def test_unet_decoder_block_receives_its_mirror_encoder_block(n_streams, blocks):
+@pytest.mark.parametrize("n_streams,blocks,granularity", [(1, 0, "sublayer"), (4, 0, "sublayer"), (4, 3, "sublayer"),
+                                                          (4, 1, "sublayer"), (4, 3, "block")])
+def test_unet_decoder_block_receives_its_mirror_encoder_block(n_streams, blocks, granularity):
     """5 blocks: encoder 0-1, decoder 2-4; block 2 <- encoder 1, block 3 <- encoder 0, block 4 none.
     Plain path: the skip is the residual after encoder block i (= block i+1's input); mHC: the
     attention input u of encoder block i (model/gpt.py explains why). With mhc_blocks=3 the encoder
-    and block 2 have mHC and block 3 is plain: it adds u of encoder block 0 to its residual input."""
+    and block 2 have mHC and block 3 is plain: it adds u of encoder block 0 to its residual input.
+    With mhc_blocks=1 the split is inside the encoder: block 1 is plain and saves its output."""
     torch.manual_seed(0)
-    model = randomize_(GPT(tiny(n_layers=5, n_streams=n_streams, unet_skips=True, mhc_blocks=blocks))).eval()
+    model = randomize_(GPT(tiny(n_layers=5, n_streams=n_streams, unet_skips=True, mhc_blocks=blocks,
+                                mhc_granularity=granularity))).eval()
     assert model.unet.weight.shape == (2, 32) and [model.unet.skip_index(b) for b in range(5)] == [None, None, 0, 1, None]
     assert torch.equal(GPT(tiny(n_layers=5, unet_skips=True)).unet.weight, torch.ones(2, 32))
-    idx, shift = tokens(), 1 if n_streams == 1 else 0
+    idx = tokens()
     for j, enc in ((0, 1), (1, 0)):
+        shift = 0 if n_streams > 1 and enc < (blocks or 5) else 1  # mHC encoder: its input u; plain: its output
         with torch.no_grad():
             model.unet.weight.zero_()
             no_skip = attention_inputs(model, idx)
