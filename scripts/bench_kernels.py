@@ -44,7 +44,9 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     # num_stages=4 (0.821 / 0.387) and BT=32/BC=32 (0.848 / 0.470), against 0.716 / 0.326 for the defaults.
     "coef_premix": [dict(BT=32, BC=64, num_warps=4, APPLY_PASS=True), dict(BT=16, BC=64, num_warps=4),
                     dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=2),
-                    dict(BT=16, BC=64, num_warps=4, APPLY_PASS=True)],
+                    dict(BT=16, BC=64, num_warps=4, APPLY_PASS=True),
+                    # for n=2 (62% of copy bandwidth at 16/64/4 warps): wider tiles, fewer warps; not timed yet
+                    dict(BT=16, BC=128, num_warps=4), dict(BT=16, BC=64, num_warps=2)],
     "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
                  dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
     # GP_SCRATCH (G phi^T through the dx tile, kernels/mhc_bwd.py) takes n=4 from 255 registers to 159-172 at

@@ -146,16 +146,27 @@ def default_configs(n: int) -> dict:
             "dphi": dphi_config(gpu)}
 
 
-def rows(T: int, n: int, C: int, arch: int, sweep: bool) -> list[dict]:
-    """One row per distinct kernel launch: the defaults, then (with sweep) every SWEEP configuration."""
-    plans = [default_configs(n)]
-    if sweep:  # every SWEEP row (the n=4 defaults among them: defaults depend on n; repeats are dropped below)
+def launch_plans(n: int, sweep: bool) -> list[dict]:
+    """Block configurations per kernel for each unit to compile: the defaults, then (with sweep) the
+    defaults with one kernel's configuration replaced by a SWEEP row, as bench_kernels.py launches it.
+    The row replaces the default whole (a default's switches such as APPLY_PASS or GP_SCRATCH must not
+    leak into rows that leave them off), except coef_bwd's TOKENS: its launcher would read that default
+    from the device, and here the device is `meta`."""
+    default = default_configs(n)
+    plans = [default]
+    if sweep:  # every SWEEP row (the n=4 defaults among them: defaults depend on n; repeats are dropped later)
         from scripts.bench_kernels import SWEEP
         for name, configs in SWEEP.items():
-            if name in plans[0]:
-                plans += [plans[0] | {name: plans[0][name] | cfg} for cfg in configs]  # keeps TOKENS
+            if name in default:
+                keep = {k: v for k, v in default[name].items() if k == "TOKENS"}
+                plans += [default | {name: keep | cfg} for cfg in configs]
+    return plans
+
+
+def rows(T: int, n: int, C: int, arch: int, sweep: bool) -> list[dict]:
+    """One row per distinct kernel launch: the defaults, then (with sweep) every SWEEP configuration."""
     seen, out = set(), []
-    for plan in plans:
+    for plan in launch_plans(n, sweep):
         for kernel, args, kwargs in unit_launches(T, n, C, plan):
             key = (kernel_name(kernel), describe(kwargs))
             if key in seen:

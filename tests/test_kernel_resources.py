@@ -69,6 +69,19 @@ def test_every_kernel_of_a_unit_compiles_for_sm90_and_reports_its_resources():
         assert 16 <= registers <= 255 and all(int(b) >= 0 for b in spills) and shared >= 0, r
 
 
+@pytest.mark.parametrize("n", [4, 2])
+def test_sweep_plans_launch_each_row_as_the_benchmark_does(n):
+    """Each SWEEP row replaces its kernel's default whole: the n=4 coef_premix default (APPLY_PASS) and
+    the n=2 stream_bwd default (GP_SCRATCH) must not switch those paths on in rows that leave them off."""
+    from scripts.bench_kernels import SWEEP
+    plans = KR.launch_plans(n, sweep=True)
+    assert plans[0] == KR.default_configs(n)
+    for name, configs in SWEEP.items():
+        launched = [plan[name] for plan in plans[1:] if plan[name] is not plans[0][name]]
+        tokens = {"TOKENS": plans[0][name]["TOKENS"]} if "TOKENS" in plans[0][name] else {}
+        assert launched == [tokens | cfg for cfg in configs], name
+
+
 def test_interpreted_kernels_and_bad_arguments_are_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(SystemExit, match="TRITON_INTERPRET=1"):
