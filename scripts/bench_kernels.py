@@ -153,6 +153,34 @@ def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float, kernels
     return rows
 
 
+def default_blocks(n: int) -> dict[str, dict]:
+    """The block configuration each swept kernel launches with by default on a GPU at this n (coef_bwd's
+    TOKENS, its second kernel's program size, is not swept and is left out)."""
+    from kernels.mhc_bwd import coef_bwd_config, dphi_config, stream_bwd_config
+    from kernels.mhc_fwd import fwd_config
+    gpu = torch.device("cuda")
+    coef_bwd = {k: v for k, v in coef_bwd_config(gpu).items() if k != "TOKENS"}
+    return {"coef_premix": fwd_config(gpu, n), "coef_bwd": coef_bwd, "stream_bwd": stream_bwd_config(gpu, n),
+            "dphi": dphi_config(gpu)}
+
+
+def sweep_summary(rows: list[tuple], defaults: dict[str, dict]) -> list[str]:
+    """A line per swept kernel: its fastest block and how that compares with the default at this n, the
+    number to read before changing a default (a few % is within run-to-run noise)."""
+    lines = []
+    for name in dict.fromkeys(row[0] for row in rows):
+        timed = {cfg: ms for kernel, cfg, ms, _ in rows if kernel == name}
+        fastest = min(timed, key=timed.get)
+        default = ",".join(f"{k}={v}" for k, v in defaults[name].items())
+        if default in timed:
+            lines.append(f"{name}: fastest {fastest} {timed[fastest]:.3f} ms, {timed[default] / timed[fastest]:.2f}x "
+                         f"the default {default} ({timed[default]:.3f} ms)")
+        else:
+            lines.append(f"{name}: fastest {fastest} {timed[fastest]:.3f} ms; the default {default} is not a SWEEP "
+                         "row (hint: add it to SWEEP to compare)")
+    return lines
+
+
 # ---------------------------------------------------------------- mhc subcommand
 
 IMPLS = ("eager", "compiled", "triton")
@@ -230,8 +258,10 @@ def mhc_main(argv: list[str]) -> list[dict]:
         print(f"\nper-kernel block sweep at {max(args.tokens)} tokens (% of copy bandwidth on the kernel's own "
               "stream bytes)")
         print(f"{'kernel':<12} {'config':<40} {'ms':>8} {'% copy':>7}")
-        for name, cfg, ms, pct in sweep_rows(make_inputs(max(args.tokens), n, C), args.rep_ms, copy_bps, args.sweep):
+        swept = sweep_rows(make_inputs(max(args.tokens), n, C), args.rep_ms, copy_bps, args.sweep)
+        for name, cfg, ms, pct in swept:
             print(f"{name:<12} {cfg:<40} {ms:8.3f} {pct:6.1f}%")
+        print("\n".join(sweep_summary(swept, default_blocks(n))))
     print(f"\nmhc_post_pre, one sublayer pair: time, floor bytes / time, and floor time / time")
     print(f"{'tokens':>7} {'implementation':<20} {'pass':<8} {'ms':>8} {'GB/s':>7} {'% floor':>8}")
     for r in rows:

@@ -371,6 +371,23 @@ def test_bench_mhc_flags_parse_and_reject_bad_values():
             parse_mhc_args(bad)
 
 
+@pytest.mark.parametrize("n", [4, 2])
+def test_bench_sweep_summary_compares_the_fastest_block_with_this_ns_default(n):
+    from scripts.bench_kernels import SWEEP, default_blocks, sweep_summary
+    defaults = default_blocks(n)
+    for name, configs in SWEEP.items():  # every default is a SWEEP row, so every sweep can compare with it
+        assert defaults[name] in configs, name
+    text = lambda cfg: ",".join(f"{k}={v}" for k, v in cfg.items())  # noqa: E731
+    rows = [("stream_bwd", text(cfg), 1.0 + i, 50.0) for i, cfg in enumerate(SWEEP["stream_bwd"])]
+    default_ms = 1.0 + SWEEP["stream_bwd"].index(defaults["stream_bwd"])
+    assert sweep_summary(rows, defaults) == [
+        f"stream_bwd: fastest {rows[0][1]} 1.000 ms, {default_ms:.2f}x the default {text(defaults['stream_bwd'])} "
+        f"({default_ms:.3f} ms)"]
+    missing = sweep_summary(rows[1:2], {"stream_bwd": dict(BT=8)})
+    assert missing == [f"stream_bwd: fastest {rows[1][1]} 2.000 ms; the default BT=8 is not a SWEEP row "
+                       "(hint: add it to SWEEP to compare)"]
+
+
 def test_bench_dispatches_subcommands(capsys):
     from scripts.bench_kernels import main
     with pytest.raises(SystemExit, match="usage: bench_kernels.py"):
