@@ -148,20 +148,28 @@ def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float, kernels
         run, stream_bytes = runs[name]
         for cfg in SWEEP[name]:
             ms = bench_ms(lambda: run(cfg), rep_ms)
-            rows.append((name, ",".join(f"{k}={v}" for k, v in cfg.items()), ms,
+            rows.append((name, block_text(cfg), ms,
                          100 * stream_bytes * T / copy_bps / (ms * 1e-3)))
     return rows
 
 
-def default_blocks(n: int) -> dict[str, dict]:
-    """The block configuration each swept kernel launches with by default on a GPU at this n (coef_bwd's
-    TOKENS, its second kernel's program size, is not swept and is left out)."""
+def block_text(cfg: dict) -> str:
+    """A block configuration as the sweep table prints it: BT=32,BC=16,num_warps=2."""
+    return ",".join(f"{k}={v}" for k, v in cfg.items())
+
+
+def default_configs(n: int) -> dict[str, dict]:
+    """Each swept kernel's default launch configuration on a GPU at this n, as its launcher picks it."""
     from kernels.mhc_bwd import coef_bwd_config, dphi_config, stream_bwd_config
     from kernels.mhc_fwd import fwd_config
     gpu = torch.device("cuda")
-    coef_bwd = {k: v for k, v in coef_bwd_config(gpu).items() if k != "TOKENS"}
-    return {"coef_premix": fwd_config(gpu, n), "coef_bwd": coef_bwd, "stream_bwd": stream_bwd_config(gpu, n),
+    return {"coef_premix": fwd_config(gpu, n), "coef_bwd": coef_bwd_config(gpu), "stream_bwd": stream_bwd_config(gpu, n),
             "dphi": dphi_config(gpu)}
+
+
+def default_blocks(n: int) -> dict[str, dict]:
+    """default_configs without coef_bwd's TOKENS (its second kernel's program size, which SWEEP does not vary)."""
+    return {name: {k: v for k, v in cfg.items() if k != "TOKENS"} for name, cfg in default_configs(n).items()}
 
 
 def sweep_summary(rows: list[tuple], defaults: dict[str, dict]) -> list[str]:
@@ -171,7 +179,7 @@ def sweep_summary(rows: list[tuple], defaults: dict[str, dict]) -> list[str]:
     for name in dict.fromkeys(row[0] for row in rows):
         timed = {cfg: ms for kernel, cfg, ms, _ in rows if kernel == name}
         fastest = min(timed, key=timed.get)
-        default = ",".join(f"{k}={v}" for k, v in defaults[name].items())
+        default = block_text(defaults[name])
         if default in timed:
             lines.append(f"{name}: fastest {fastest} {timed[fastest]:.3f} ms, {timed[default] / timed[fastest]:.2f}x "
                          f"the default {default} ({timed[default]:.3f} ms)")

@@ -28,6 +28,8 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 
 import torch
 
+from scripts.bench_kernels import SWEEP, default_configs  # the blocks bench_kernels times, and the defaults
+
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
           torch.int64: "i64"}
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
@@ -138,14 +140,6 @@ def describe(kwargs: dict) -> str:
     return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in kwargs.items() if k not in SHAPE_ARGS)
 
 
-def default_configs(n: int) -> dict:
-    from kernels.mhc_bwd import coef_bwd_config, dphi_config, stream_bwd_config
-    from kernels.mhc_fwd import fwd_config
-    gpu = torch.device("cuda")
-    return {"coef_premix": fwd_config(gpu, n), "coef_bwd": coef_bwd_config(gpu), "stream_bwd": stream_bwd_config(gpu, n),
-            "dphi": dphi_config(gpu)}
-
-
 def launch_plans(n: int, sweep: bool) -> list[dict]:
     """Block configurations per kernel for each unit to compile: the defaults, then (with sweep) the
     defaults with one kernel's configuration replaced by a SWEEP row, as bench_kernels.py launches it.
@@ -155,7 +149,6 @@ def launch_plans(n: int, sweep: bool) -> list[dict]:
     default = default_configs(n)
     plans = [default]
     if sweep:  # every SWEEP row (the n=4 defaults among them: defaults depend on n; repeats are dropped later)
-        from scripts.bench_kernels import SWEEP
         for name, configs in SWEEP.items():
             if name in default:
                 keep = {k: v for k, v in default[name].items() if k == "TOKENS"}
