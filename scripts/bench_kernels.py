@@ -54,9 +54,13 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     # block (1.076-1.483 ms against 1.025) and faster at n=2 (16/64/4 warps: 0.340 ms against 0.406), n=2's
     # default. Dropped: BT=16/BC=32/4 warps, BT=32/BC=16/4 warps and BT=16/BC=16/2 warps (n=4: 1.13-1.28 ms,
     # n=2: 0.43-0.55 ms).
+    # GP_FMA (G phi^T as rank-one updates on the CUDA cores, kernels/mhc_bwd.py): not timed yet. At sm_90 it
+    # compiles without a spill at 8 elements per thread (n=4: 225-250 registers; 32/64/4 warps spilled 832 B).
     "stream_bwd": [dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4), dict(BT=64, BC=16, num_warps=4),
                    dict(BT=32, BC=16, num_warps=2, GP_SCRATCH=True), dict(BT=16, BC=64, num_warps=8, GP_SCRATCH=True),
-                   dict(BT=16, BC=64, num_warps=4, GP_SCRATCH=True)],
+                   dict(BT=16, BC=64, num_warps=4, GP_SCRATCH=True),
+                   dict(BT=32, BC=16, num_warps=2, GP_FMA=True), dict(BT=16, BC=64, num_warps=4, GP_FMA=True),
+                   dict(BT=64, BC=16, num_warps=4, GP_FMA=True), dict(BT=16, BC=32, num_warps=2, GP_FMA=True)],
     "dphi": [dict(BT=32, BK=128, num_warps=4), dict(BT=64, BK=128, num_warps=4), dict(BT=64, BK=256, num_warps=8),
              dict(BT=128, BK=64, num_warps=4), dict(BT=32, BK=128, num_warps=4, splits=66)],
 }
