@@ -126,32 +126,13 @@ def _g_phi(g, phit_ptr, col, k, kmask, N: tl.constexpr, K):
 
 
 @triton.jit
-def _g_phi_fma(aux_ptr, t64, tmask, phit_ptr, c, cmask, C, K, n: tl.constexpr, N: tl.constexpr,
-               NP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """(G phi^T) for the n streams' channels c as N rank-one updates on the CUDA cores, in the loads'
-    layout: no tensor-core operand layout, so nothing to convert back (what costs _g_phi its registers at n=4).
-    Per element that is N*n FMAs (n=4: 96), with G's columns and phi^T's rows read from L1."""
-    gps = ()
-    for i in tl.static_range(n):
-        gps = gps + (tl.zeros([BT, BC], tl.float32),)
-    for q in range(N):
-        g_q = tl.load(aux_ptr + t64 * NP + q, mask=tmask, other=0.0)
-        acc = ()
-        for i in tl.static_range(n):
-            p = tl.load(phit_ptr + q * K + i * C + c, mask=cmask, other=0.0).to(tl.float32)
-            acc = acc + (gps[i] + g_q[:, None] * p[None, :],)
-        gps = acc
-    return gps
-
-
-@triton.jit
 def stream_bwd_kernel(
     x_ptr, y_ptr, hres_ptr, hpost_ptr, dxo_ptr,               # apply inputs, grad of the new streams
     du_ptr, aux_ptr, phit_ptr,                                 # coefficient path; phit = phi^T [N, n*C]
     dx_ptr, dy_ptr, dhres_ptr, dhpost_ptr,
     T, C,
     n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-    APPLY: tl.constexpr, COEF: tl.constexpr, LOWP: tl.constexpr, GP_SCRATCH: tl.constexpr, GP_FMA: tl.constexpr,
+    APPLY: tl.constexpr, COEF: tl.constexpr, LOWP: tl.constexpr, GP_SCRATCH: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr,
 ):
     """One program owns BT tokens and walks their channels in tiles of BC, so the per-token sums over
@@ -163,9 +144,7 @@ def stream_bwd_kernel(
     layout and holds the x tiles and per-token coefficients in two layouts (n=4: 255 registers, 60
     layout conversions); the reload keeps the loop in the loads' layout (n=4: 159-172 registers at
     4 elements per thread, sm_90, no spill). Rounding G phi^T to the stream dtype is what the
-    reference's bf16 matmul output does.
-    GP_FMA: G phi^T as rank-one updates on the CUDA cores (_g_phi_fma), fp32 throughout, also in the
-    loads' layout but with no scratch round trip."""
+    reference's bf16 matmul output does."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -180,12 +159,10 @@ def stream_bwd_kernel(
         for i in tl.static_range(n):
             dh_post = dh_post + (tl.zeros([BT], tl.float32),)
     if COEF:
-        if not GP_FMA:
-            col = tl.arange(0, NP)
-            g = tl.load(aux_ptr + t64[:, None] * NP + col[None, :], mask=tmask[:, None] & (col < N)[None, :],
-                        other=0.0)
-            if LOWP:
-                g = g.to(phit_ptr.dtype.element_ty)
+        col = tl.arange(0, NP)
+        g = tl.load(aux_ptr + t64[:, None] * NP + col[None, :], mask=tmask[:, None] & (col < N)[None, :], other=0.0)
+        if LOWP:
+            g = g.to(phit_ptr.dtype.element_ty)
         rms_factor = tl.load(aux_ptr + t64 * NP + N, mask=tmask, other=0.0)
         h_pre = ()
         for i in tl.static_range(n):
@@ -213,15 +190,13 @@ def stream_bwd_kernel(
                 tl.debug_barrier()  # written by other threads of this program (if the layouts differ)
                 gps = load_streams(dx_ptr, row, c, m2, C, n)
                 tl.debug_barrier()  # every thread has its G phi^T before any thread stores dx there
-            if GP_FMA:
-                gps = _g_phi_fma(aux_ptr, t64, tmask, phit_ptr, c, cmask, C, K, n, N, NP, BT, BC)
             grads = ()
             for i in tl.static_range(n):
                 if APPLY:  # x'_i recomputed (one read less than loading it), rounded as stored
                     xi = apply_stream(xs, y, h_res, h_post, i, n).to(x_ptr.dtype.element_ty).to(tl.float32)
                 else:
                     xi = xs[i].to(tl.float32)
-                if GP_SCRATCH or GP_FMA:
+                if GP_SCRATCH:
                     gp = gps[i]
                 else:
                     gp = _g_phi(g, phit_ptr, col, i * C + c, cmask, N, K)
@@ -342,10 +317,7 @@ def launch_stream_bwd(launch, x, y, h_res, h_post, dx_new, du, aux, phi, cfg: di
     cfg = dict(stream_bwd_config(x.device, n) if cfg is None else cfg)
     BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"), n)
     lowp = cfg.pop("LOWP", x.dtype == torch.bfloat16)
-    gp_scratch, gp_fma = cfg.pop("GP_SCRATCH", False), cfg.pop("GP_FMA", False)
-    if gp_scratch and gp_fma:
-        raise ValueError(f"launch_stream_bwd: GP_SCRATCH and GP_FMA are two ways to compute G phi^T, got both "
-                         "set; hint: set at most one of them")
+    gp_scratch = cfg.pop("GP_SCRATCH", False)
     f32 = dict(device=x.device, dtype=torch.float32)
     dx = torch.empty_like(x)
     dy = torch.empty_like(y) if apply else None
@@ -357,7 +329,7 @@ def launch_stream_bwd(launch, x, y, h_res, h_post, dx_new, du, aux, phi, cfg: di
         x, y if apply else dummy, h_res if apply else dummy, h_post if apply else dummy,
         dx_new if apply else dummy, du if coef else dummy, aux if coef else dummy, phit if coef else dummy,
         dx, dy if apply else dummy, dh_res if apply else dummy, dh_post if apply else dummy, T, C,
-        n=n, N=N, NP=NP, APPLY=apply, COEF=coef, LOWP=lowp, GP_SCRATCH=gp_scratch, GP_FMA=gp_fma, BT=BT, BC=BC, **cfg)
+        n=n, N=N, NP=NP, APPLY=apply, COEF=coef, LOWP=lowp, GP_SCRATCH=gp_scratch, BT=BT, BC=BC, **cfg)
     return dx, dy, dh_res, dh_post
 
 

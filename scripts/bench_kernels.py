@@ -53,14 +53,12 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     # 4 elements per thread (scripts/kernel_resources.py). On an H100 (session 8) it was slower at n=4 on every
     # block (1.076-1.483 ms against 1.025) and faster at n=2 (16/64/4 warps: 0.340 ms against 0.406), n=2's
     # default. Dropped: BT=16/BC=32/4 warps, BT=32/BC=16/4 warps and BT=16/BC=16/2 warps (n=4: 1.13-1.28 ms,
-    # n=2: 0.43-0.55 ms).
-    # GP_FMA (G phi^T as rank-one updates on the CUDA cores, kernels/mhc_bwd.py): not timed yet. At sm_90 it
-    # compiles without a spill at 8 elements per thread (n=4: 225-250 registers; 32/64/4 warps spilled 832 B).
+    # n=2: 0.43-0.55 ms). G phi^T as rank-one updates on the CUDA cores in the loads' layout (GP_FMA, session 9:
+    # 225-250 registers and no spill at n=4, sm_90) lost on every block: n=4 1.770-2.715 ms against 1.025, n=2
+    # 0.359-0.824 against 0.340 (H100); removed.
     "stream_bwd": [dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4), dict(BT=64, BC=16, num_warps=4),
                    dict(BT=32, BC=16, num_warps=2, GP_SCRATCH=True), dict(BT=16, BC=64, num_warps=8, GP_SCRATCH=True),
-                   dict(BT=16, BC=64, num_warps=4, GP_SCRATCH=True),
-                   dict(BT=32, BC=16, num_warps=2, GP_FMA=True), dict(BT=16, BC=64, num_warps=4, GP_FMA=True),
-                   dict(BT=64, BC=16, num_warps=4, GP_FMA=True), dict(BT=16, BC=32, num_warps=2, GP_FMA=True)],
+                   dict(BT=16, BC=64, num_warps=4, GP_SCRATCH=True)],
     "dphi": [dict(BT=32, BK=128, num_warps=4), dict(BT=64, BK=128, num_warps=4), dict(BT=64, BK=256, num_warps=8),
              dict(BT=128, BK=64, num_warps=4), dict(BT=32, BK=128, num_warps=4, splits=66)],
 }
