@@ -1,12 +1,13 @@
 """Full training-step benchmark: tokens/s, ms/step, MFU and peak memory of the recipe's step.
 
     python scripts/bench_step.py [--config configs/h100_short.toml] [--steps 30] [--warmup 5]
-                                 [--variants n4-kernels,n4-ref,n1-kernels,n1-ref | all] [--profile 3]
+                                 [--variants config-kernels,n4-kernels,n4-ref,n1-kernels,n1-ref | all]
+                                 [--profile 3]
                                  [override ...]
     torchrun --standalone --nproc_per_node=2 scripts/bench_step.py ... train.batch_tokens=196608
 
-Each variant builds the config's model with mHC on (n_streams=4) or off (1) and the Triton kernels
-on or off, compiles the step like train.py (train.compile), and times `--steps` optimizer steps on
+Each variant builds the config's model with mHC as the config has it (config-kernels), on (n_streams=4)
+or off (1), and the Triton kernels on or off, compiles the step like train.py (train.compile), and times `--steps` optimizer steps on
 random tokens after `--warmup` steps (compilation happens there). Prints a markdown table.
 With --profile K, K more steps of each variant run under torch.profiler and the device time is
 broken down by kernel category and by kernel (scripts/step_profile.py), printed after the table.
@@ -35,19 +36,23 @@ from training.distributed import DistInfo, destroy, init_distributed, print0  # 
 from training.optim import build_optimizers  # noqa: E402
 from training.trainer import grad_accum_steps, peak_flops, train_step, training_flops_per_token  # noqa: E402
 
+# Each named variant fixes the whole mHC layout (streams, granularity, mHC blocks), so it means the same on
+# any config; "config-kernels" keeps the config's own layout (the recipe as shipped) with every kernel on.
+SUBLAYER_ALL = ["model.mhc_granularity=sublayer", "model.mhc_blocks=0"]
+BLOCK_ALL = ["model.mhc_granularity=block", "model.mhc_blocks=0"]
+KERNELS = ["model.mhc_kernels=true", "model.mlp_kernel=true"]
 VARIANTS = {
-    "n4-kernels": ["model.n_streams=4", "model.mhc_kernels=true", "model.mlp_kernel=true"],
-    "n4-ref": ["model.n_streams=4", "model.mhc_kernels=false", "model.mlp_kernel=false"],
-    "n1-kernels": ["model.n_streams=1", "model.mlp_kernel=true"],
-    "n1-ref": ["model.n_streams=1", "model.mlp_kernel=false"],
+    "config-kernels": KERNELS,
+    "n4-kernels": ["model.n_streams=4", *SUBLAYER_ALL, *KERNELS],
+    "n4-ref": ["model.n_streams=4", *SUBLAYER_ALL, "model.mhc_kernels=false", "model.mlp_kernel=false"],
+    "n1-kernels": ["model.n_streams=1", "model.mhc_blocks=0", "model.mlp_kernel=true"],
+    "n1-ref": ["model.n_streams=1", "model.mhc_blocks=0", "model.mlp_kernel=false"],
     # Cheaper mHC (GUIDE §4 levers): mHC around whole blocks (half the stream traffic), and 2 streams.
-    "n4-block-kernels": ["model.n_streams=4", "model.mhc_granularity=block", "model.mhc_kernels=true",
-                         "model.mlp_kernel=true"],
-    "n2-block-kernels": ["model.n_streams=2", "model.mhc_granularity=block", "model.mhc_kernels=true",
-                         "model.mlp_kernel=true"],
-    "n2-kernels": ["model.n_streams=2", "model.mhc_kernels=true", "model.mlp_kernel=true"],
+    "n4-block-kernels": ["model.n_streams=4", *BLOCK_ALL, *KERNELS],
+    "n2-block-kernels": ["model.n_streams=2", *BLOCK_ALL, *KERNELS],
+    "n2-kernels": ["model.n_streams=2", *SUBLAYER_ALL, *KERNELS],
 }
-DEFAULT_VARIANTS = ("n4-kernels", "n4-ref", "n1-kernels", "n1-ref")
+DEFAULT_VARIANTS = ("config-kernels", "n4-kernels", "n4-ref", "n1-kernels", "n1-ref")
 
 
 class RandomTokens:
@@ -108,7 +113,8 @@ def main(argv=None) -> list[dict]:
                    help=f"comma-separated, or 'all': {list(VARIANTS)}")
     p.add_argument("--profile", type=int, default=0, metavar="K",
                    help="profile K more steps per variant and print where the device time goes")
-    p.add_argument("overrides", nargs="*", help="section.key=value applied to every variant")
+    p.add_argument("overrides", nargs="*",
+                   help="section.key=value applied to every variant, after the variant's own (so they win)")
     a = p.parse_args(argv)
     names = list(VARIANTS) if a.variants == "all" else a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -123,7 +129,7 @@ def main(argv=None) -> list[dict]:
     print0("|---|---|---|---|---|---|---|---|---|")
     try:
         for name in names:
-            r = bench_variant(a.config, a.overrides + VARIANTS[name], a.steps, a.warmup, dist, a.profile)
+            r = bench_variant(a.config, VARIANTS[name] + a.overrides, a.steps, a.warmup, dist, a.profile)
             rows.append({"variant": name, **r})
             print0(f"| {name} | {r['ranks']} | {r['params']:,} | {r['ms_step']:.1f} | {r['tok_s']:,.0f} | "
                    f"{r['mfu']:.1f} | {r['peak_gib']:.1f} | {r['warmup_s']:.1f} | {r['loss']:.3f} |", flush=True)

@@ -19,8 +19,10 @@ def test_every_variant_runs_and_reports(capsys):
     assert [r["variant"] for r in rows] == list(bench_step.VARIANTS)
     assert all(r["tok_s"] > 0 and math.isfinite(r["loss"]) for r in rows)
     params = {r["variant"]: r["params"] for r in rows}
+    assert params["config-kernels"] == params["n4-kernels"]  # demo.toml: 4 streams on every sublayer
     assert params["n4-kernels"] > params["n4-block-kernels"] > params["n2-block-kernels"] > params["n1-kernels"]
-    assert capsys.readouterr().out.count("\n| n") == len(bench_step.VARIANTS)
+    out = capsys.readouterr().out
+    assert sum(out.count(f"\n| {name} |") for name in bench_step.VARIANTS) == len(bench_step.VARIANTS)
     assert all(r["ranks"] == 1 for r in rows)
 
 
@@ -38,8 +40,23 @@ def test_torchrun_times_the_distributed_step_and_reports_once():
     assert cells[1] == "2" and float(cells[4].replace(",", "")) > 0  # ranks, tokens/s
 
 
-def test_default_variants_are_the_kernels_on_off_grid():
-    assert bench_step.DEFAULT_VARIANTS == ("n4-kernels", "n4-ref", "n1-kernels", "n1-ref")
+def test_default_variants_are_the_shipped_config_and_the_kernels_on_off_grid():
+    assert bench_step.DEFAULT_VARIANTS == ("config-kernels", "n4-kernels", "n4-ref", "n1-kernels", "n1-ref")
+
+
+def test_named_variants_fix_the_mhc_layout_and_overrides_win():
+    """A named variant means the same on every config: on the recipe configs (2 streams, mHC on 3 blocks)
+    n4-kernels is still mHC on every sublayer of every block, and the n1 variants are valid there; the
+    command line's overrides come after the variant's, so model.mhc_blocks=5 applies to n2-kernels."""
+    from training.config import load_config
+    short = str(bench_step.REPO / "configs/h100_short.toml")
+    shipped = load_config(short, bench_step.VARIANTS["config-kernels"]).model
+    assert (shipped.n_streams, shipped.mhc_blocks, shipped.mhc_kernels) == (2, 3, True)
+    n4 = load_config(short, bench_step.VARIANTS["n4-kernels"]).model
+    assert (n4.n_streams, n4.mhc_blocks, n4.mhc_granularity) == (4, 0, "sublayer")
+    assert load_config(short, bench_step.VARIANTS["n1-ref"]).model.n_streams == 1
+    n2k5 = load_config(short, bench_step.VARIANTS["n2-kernels"] + ["model.mhc_blocks=5"]).model
+    assert (n2k5.n_streams, n2k5.mhc_blocks) == (2, 5)
 
 
 def test_unknown_variant_is_refused():
