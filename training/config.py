@@ -165,7 +165,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         if not sep or not dot or section not in sections:
             raise ConfigError(f"override {item!r}: expected section.key=value with section in {sorted(sections)}")
         _apply(sections[section], section, {name: value}, "command line")
-    validate(cfg)
+    try:
+        validate(cfg)
+    except ConfigError as e:  # a conflict may come from the file, the overrides, or both: name what was read
+        sources = [str(path)] if path is not None else ["the defaults"]
+        if overrides:
+            sources.append("the command-line overrides")
+        raise ConfigError(f"{' + '.join(sources)}: {e}") from None
     return cfg
 
 
