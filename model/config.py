@@ -87,10 +87,10 @@ class ModelConfig:
         if not 0 <= self.mhc_blocks <= self.n_layers:
             raise ValueError(f"model.mhc_blocks={self.mhc_blocks} must be in [0, n_layers={self.n_layers}] "
                              "(hint: it counts the leading blocks with mHC; 0 = all of them)")
-        if self.mhc_blocks and self.n_streams < 2:
+        if self.mhc_blocks and self.n_streams == 1:
             raise ValueError(f"model.mhc_blocks={self.mhc_blocks} needs n_streams >= 2, got n_streams="
-                             f"{self.n_streams} (hint: a single stream has no mHC; with model.n_streams=1 also "
-                             "pass model.mhc_blocks=0)")
+                             f"{self.n_streams} (hint: a single stream has no mHC; set "
+                             "model.mhc_blocks=0 as well)")
         if self.unet_skips and self.n_layers < 2:
             raise ValueError(f"model.unet_skips needs n_layers >= 2 (got {self.n_layers}): "
                              "one encoder and one decoder block")

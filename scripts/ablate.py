@@ -1,8 +1,7 @@
 """Run named variants of one config side by side, one per GPU, same seed, and compare them.
 
     python -m scripts.ablate --config configs/h100_short.toml --gpus 0,1 --out logs/ablate.json \
-        --variant n4-block="model.mhc_granularity=block" \
-        --variant n2-block="model.n_streams=2 model.mhc_granularity=block" \
+        --variant plain="model.n_streams=1 model.mhc_blocks=0" --variant n2-all="model.mhc_blocks=0" \
         -- data.train_files='runs/mix/fineweb_train_*.bin' ...
 
 Each variant runs `python train.py --config C train.run_id=<prefix>-<name> [common overrides] [its

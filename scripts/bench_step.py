@@ -6,8 +6,9 @@
                                  [override ...]
     torchrun --standalone --nproc_per_node=2 scripts/bench_step.py ... train.batch_tokens=196608
 
-Each variant builds the config's model with mHC as the config has it (config-kernels), on (n_streams=4)
-or off (1), and the Triton kernels on or off, compiles the step like train.py (train.compile), and times `--steps` optimizer steps on
+Each variant builds the config's model with a named mHC layout (config-kernels: the config's own; n4, n2:
+streams on every sublayer; n4-block, n2-block: around whole blocks; n1: none) and the Triton kernels on
+or off, compiles the step like train.py (train.compile), and times `--steps` optimizer steps on
 random tokens after `--warmup` steps (compilation happens there). Prints a markdown table.
 With --profile K, K more steps of each variant run under torch.profiler and the device time is
 broken down by kernel category and by kernel (scripts/step_profile.py), printed after the table.
@@ -31,7 +32,7 @@ if str(REPO) not in sys.path:
 
 from model.gpt import GPT  # noqa: E402
 from scripts.step_profile import format_tables, profile_steps  # noqa: E402
-from training.config import load_config  # noqa: E402
+from training.config import ConfigError, load_config  # noqa: E402
 from training.distributed import DistInfo, destroy, init_distributed, print0  # noqa: E402
 from training.optim import build_optimizers  # noqa: E402
 from training.trainer import grad_accum_steps, peak_flops, train_step, training_flops_per_token  # noqa: E402
@@ -52,6 +53,11 @@ VARIANTS = {
     "n2-block-kernels": ["model.n_streams=2", *BLOCK_ALL, *KERNELS],
     "n2-kernels": ["model.n_streams=2", *SUBLAYER_ALL, *KERNELS],
 }
+def variant_overrides(name: str, overrides: list[str]) -> list[str]:
+    """The variant's own settings, then the command line's, so the command line wins."""
+    return VARIANTS[name] + list(overrides)
+
+
 DEFAULT_VARIANTS = ("config-kernels", "n4-kernels", "n4-ref", "n1-kernels", "n1-ref")
 
 
@@ -122,14 +128,17 @@ def main(argv=None) -> list[dict]:
         p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     if a.profile < 0:
         p.error(f"--profile takes a number of steps >= 0, got {a.profile}")
-    device = load_config(a.config, a.overrides).train.device
+    try:  # every variant's config before the first one compiles (an override may not suit them all)
+        device = [load_config(a.config, variant_overrides(name, a.overrides)) for name in names][0].train.device
+    except ConfigError as e:
+        p.error(str(e))
     dist = init_distributed(device)
     rows = []
     print0("| variant | ranks | params | ms/step | tokens/s | MFU % | peak GiB (rank 0) | warm-up s | last loss |")
     print0("|---|---|---|---|---|---|---|---|---|")
     try:
         for name in names:
-            r = bench_variant(a.config, VARIANTS[name] + a.overrides, a.steps, a.warmup, dist, a.profile)
+            r = bench_variant(a.config, variant_overrides(name, a.overrides), a.steps, a.warmup, dist, a.profile)
             rows.append({"variant": name, **r})
             print0(f"| {name} | {r['ranks']} | {r['params']:,} | {r['ms_step']:.1f} | {r['tok_s']:,.0f} | "
                    f"{r['mfu']:.1f} | {r['peak_gib']:.1f} | {r['warmup_s']:.1f} | {r['loss']:.3f} |", flush=True)

@@ -55,8 +55,32 @@ def test_named_variants_fix_the_mhc_layout_and_overrides_win():
     n4 = load_config(short, bench_step.VARIANTS["n4-kernels"]).model
     assert (n4.n_streams, n4.mhc_blocks, n4.mhc_granularity) == (4, 0, "sublayer")
     assert load_config(short, bench_step.VARIANTS["n1-ref"]).model.n_streams == 1
-    n2k5 = load_config(short, bench_step.VARIANTS["n2-kernels"] + ["model.mhc_blocks=5"]).model
+    n2k5 = load_config(short, bench_step.variant_overrides("n2-kernels", ["model.mhc_blocks=5"])).model
     assert (n2k5.n_streams, n2k5.mhc_blocks) == (2, 5)
+
+
+def test_main_benchmarks_each_variant_with_the_overrides_last(monkeypatch, capsys):
+    seen = []
+
+    def fake_bench(config, overrides, steps, warmup, dist, profile):
+        seen.append(overrides)
+        return dict(ranks=1, params=1, ms_step=1.0, tok_s=1.0, mfu=0.0, peak_gib=0.0, warmup_s=0.0, loss=0.0,
+                    profile=None)
+    monkeypatch.setattr(bench_step, "bench_variant", fake_bench)
+    demo = str(bench_step.REPO / "configs/demo.toml")
+    bench_step.main(["--config", demo, "--variants", "n2-kernels,config-kernels", "model.mhc_blocks=1",
+                     "train.device=cpu"])
+    assert seen == [bench_step.VARIANTS[name] + ["model.mhc_blocks=1", "train.device=cpu"]
+                    for name in ("n2-kernels", "config-kernels")]
+    assert "| n2-kernels |" in capsys.readouterr().out
+
+
+def test_a_variant_the_overrides_do_not_suit_is_refused_before_any_runs(monkeypatch, capsys):
+    """n2 on 5 blocks is fine, n1 with mhc_blocks=5 is not: refused up front, not after n2 has compiled."""
+    monkeypatch.setattr(bench_step, "bench_variant", lambda *a, **k: pytest.fail("a variant ran"))
+    with pytest.raises(SystemExit):
+        bench_step.main(["--variants", "n2-kernels,n1-kernels", "model.mhc_blocks=5"])
+    assert "model.mhc_blocks=5 needs n_streams >= 2" in capsys.readouterr().err
 
 
 def test_unknown_variant_is_refused():

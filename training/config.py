@@ -170,7 +170,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     except ConfigError as e:  # a conflict may come from the file, the overrides, or both: name what was read
         sources = [str(path)] if path is not None else ["the defaults"]
         if overrides:
-            sources.append("the command-line overrides")
+            sources.append("the overrides")
         raise ConfigError(f"{' + '.join(sources)}: {e}") from None
     return cfg
 
