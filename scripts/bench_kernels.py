@@ -2,14 +2,16 @@
 
     python scripts/bench_kernels.py mhc [--tokens 32768 98304] [--n 4] [--C 512] [--rep-ms 200]
                                         [--sweep [stream_bwd,coef_premix,...]]
-                                        [--impls eager,compiled,triton] [--profile-once]
+                                        [--impls eager,compiled,triton[,triton-graph]] [--profile-once]
     python scripts/bench_kernels.py mlp ...   (scripts/bench_mlp.py: its own flags)
 
 `mhc` times one steady-state mHC unit, mhc_post_pre (apply of sublayer l + coefficients and pre-mix
 of sublayer l+1, with the sublayer output y given), in bf16: forward, backward and forward+backward
 of the eager PyTorch reference, torch.compile of the reference, and the Triton kernels. Each time is
 compared with the floor set by the bytes that must move (printed per token) at the device-to-device
-copy bandwidth measured in the same run. `--sweep` also times each Triton kernel alone under several
+copy bandwidth measured in the same run. `triton-graph` (not in the default set) replays each pass of the
+Triton unit from a CUDA graph: device time only, without the gaps a slow host leaves between eager
+launches (short units, as at n=2, can be host-bound). `--sweep` also times each Triton kernel alone under several
 block configurations. `--profile-once` times nothing: it runs the Triton unit's forward and backward
 twice (the first compiles) for a profiler to read; the five mHC kernels of the second run are
     ncu --clock-control none --kernel-name regex:"coef_premix|premix_grad|coef_bwd|stream_bwd|dphi"
@@ -109,20 +111,33 @@ def make_inputs(T: int, n: int, C: int) -> list[torch.Tensor]:
     return [x, h_res, h_post, y, phi, alpha, bias]
 
 
-def pass_timings(fn, inputs: list[torch.Tensor], rep_ms: int) -> dict[str, float]:
-    """Milliseconds of forward (training mode), backward (retained graph) and forward+backward."""
+def cuda_graph(run):
+    """`run` captured once into a CUDA graph; returns its replay. Warmed up on a side stream first, as
+    capture requires (compilation, allocator pools)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph.replay
+
+
+def pass_timings(fn, inputs: list[torch.Tensor], rep_ms: int, graphed: bool = False) -> dict[str, float]:
+    """Milliseconds of forward (training mode), backward (retained graph) and forward+backward; with
+    `graphed`, each pass is replayed from a CUDA graph."""
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     outs = fn(*leaves)
     cotangents = [torch.randn_like(o) for o in outs]
-
-    def forward_backward():
-        torch.autograd.grad(fn(*leaves), leaves, cotangents)
-
-    return {
-        "fwd": bench_ms(lambda: fn(*leaves), rep_ms),
-        "bwd": bench_ms(lambda: torch.autograd.grad(outs, leaves, cotangents, retain_graph=True), rep_ms),
-        "fwd+bwd": bench_ms(forward_backward, rep_ms),
+    passes = {
+        "fwd": lambda: fn(*leaves),
+        "bwd": lambda: torch.autograd.grad(outs, leaves, cotangents, retain_graph=True),
+        "fwd+bwd": lambda: torch.autograd.grad(fn(*leaves), leaves, cotangents),
     }
+    return {name: bench_ms(cuda_graph(run) if graphed else run, rep_ms) for name, run in passes.items()}
 
 
 def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float, kernels: list[str]) -> list[tuple]:
@@ -193,8 +208,10 @@ def sweep_summary(rows: list[tuple], defaults: dict[str, dict]) -> list[str]:
 
 # ---------------------------------------------------------------- mhc subcommand
 
-IMPLS = ("eager", "compiled", "triton")
-IMPL_LABELS = {"eager": "eager reference", "compiled": "compiled reference", "triton": "triton kernels"}
+IMPLS = ("eager", "compiled", "triton")  # the default set
+OPTIONAL_IMPLS = ("triton-graph",)
+IMPL_LABELS = {"eager": "eager reference", "compiled": "compiled reference", "triton": "triton kernels",
+               "triton-graph": "triton, CUDA graph"}
 
 
 def profile_once(T: int, n: int, C: int) -> None:
@@ -217,14 +234,15 @@ def parse_mhc_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rep-ms", type=int, default=200, help="milliseconds of timed repeats per measurement")
     p.add_argument("--sweep", nargs="?", const="all", default="", metavar="KERNELS",
                    help=f"also time Triton kernels under several block configs: all, or some of {','.join(SWEEP)}")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
+    p.add_argument("--impls", default=",".join(IMPLS),
+                   help=f"comma-separated subset of {','.join(IMPLS + OPTIONAL_IMPLS)}")
     p.add_argument("--profile-once", action="store_true",
                    help="no timing: run the Triton unit's forward+backward twice at the first --tokens, for a profiler")
     args = p.parse_args(argv)
     args.impls = [name.strip() for name in args.impls.split(",") if name.strip()]
-    unknown = sorted(set(args.impls) - set(IMPLS))
+    unknown = sorted(set(args.impls) - set(IMPLS + OPTIONAL_IMPLS))
     if unknown or not args.impls:
-        p.error(f"--impls must name some of {','.join(IMPLS)}, got {unknown or 'nothing'}")
+        p.error(f"--impls must name some of {','.join(IMPLS + OPTIONAL_IMPLS)}, got {unknown or 'nothing'}")
     if min(args.tokens) <= 0 or args.rep_ms <= 0:
         p.error(f"--tokens and --rep-ms must be positive, got {args.tokens} and {args.rep_ms}")
     args.sweep = list(SWEEP) if args.sweep == "all" else [k.strip() for k in args.sweep.split(",") if k.strip()]
@@ -253,13 +271,14 @@ def mhc_main(argv: list[str]) -> list[dict]:
     print(f"floor bytes/token: fwd {per_token['fwd']}, bwd {per_token['bwd']}, fwd+bwd {per_token['fwd+bwd']} "
           f"(= {(5 * n + 5)} * C bf16 stream elements + fp32 coefficients)")
     make = {"eager": lambda: R.mhc_post_pre, "compiled": lambda: torch.compile(R.mhc_post_pre, dynamic=False),
-            "triton": lambda: K.mhc_post_pre}
-    impls = {IMPL_LABELS[name]: make[name]() for name in args.impls}
+            "triton": lambda: K.mhc_post_pre, "triton-graph": lambda: K.mhc_post_pre}
+    impls = {name: make[name]() for name in args.impls}
     rows = []
     for T in args.tokens:
         inputs = make_inputs(T, n, C)
-        for impl, fn in impls.items():
-            for pass_name, ms in pass_timings(fn, inputs, args.rep_ms).items():
+        for name, fn in impls.items():
+            impl = IMPL_LABELS[name]
+            for pass_name, ms in pass_timings(fn, inputs, args.rep_ms, graphed=name == "triton-graph").items():
                 floor_ms = per_token[pass_name] * T / copy_bps * 1e3
                 rows.append(dict(tokens=T, impl=impl, pass_name=pass_name, ms=ms,
                                  gbps=per_token[pass_name] * T / (ms * 1e-3) / 1e9, pct=100 * floor_ms / ms))

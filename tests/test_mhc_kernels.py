@@ -365,6 +365,7 @@ def test_bench_mhc_flags_parse_and_reject_bad_values():
     assert (args.impls, args.profile_once) == (["eager", "compiled", "triton"], False)
     args = parse_mhc_args(["--impls", "triton, eager", "--profile-once"])
     assert (args.impls, args.profile_once) == (["triton", "eager"], True)
+    assert parse_mhc_args(["--impls", "triton-graph"]).impls == ["triton-graph"]  # asked for, never by default
     for bad in (["--n", "3"], ["--C", "40"], ["--tokens", "0"], ["--rep-ms", "-1"], ["--impls", "cuda"],
                 ["--impls", ","], ["--sweep", "stream_fwd"]):
         with pytest.raises(SystemExit):
@@ -445,6 +446,30 @@ def test_gpu_bench_mhc_runs_with_sweep():
     assert len(rows) == 9 and all(r["ms"] > 0 and r["pct"] > 0 for r in rows)
     rows = main(["mhc", "--tokens", "3000", "--rep-ms", "10", "--impls", "triton"])
     assert [r["impl"] for r in rows] == ["triton kernels"] * 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_cuda_graph_replays_the_passes_it_times():
+    """Each pass captured by cuda_graph recomputes what it computes eagerly (replayed into the graph's own
+    outputs), and bench_kernels times all three passes that way."""
+    from kernels import mhc as K
+    from scripts.bench_kernels import cuda_graph, main, make_inputs
+    leaves = [t.detach().clone().requires_grad_() for t in make_inputs(3000, 4, 512)]
+    outs = K.mhc_post_pre(*leaves)
+    cotangents = [torch.randn_like(o) for o in outs]
+    eager = torch.autograd.grad(outs, leaves, cotangents, retain_graph=True)
+    captured = []
+    replay = cuda_graph(lambda: captured.append(torch.autograd.grad(outs, leaves, cotangents, retain_graph=True)))
+    for g in captured[-1]:
+        g.zero_()
+    replay()
+    torch.cuda.synchronize()
+    for i, (a, b) in enumerate(zip(captured[-1], eager)):
+        assert torch.equal(a, b), f"gradient {i} differs after replay"
+    rows = main(["mhc", "--tokens", "3000", "--rep-ms", "10", "--impls", "triton-graph"])
+    assert [(r["impl"], r["pass_name"]) for r in rows] == [("triton, CUDA graph", p) for p in ("fwd", "bwd", "fwd+bwd")]
+    assert all(r["ms"] > 0 for r in rows)
 
 
 @pytest.mark.gpu
