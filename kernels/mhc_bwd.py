@@ -277,8 +277,9 @@ def coef_bwd_config(device: torch.device) -> dict:
 # At n=2 (session 7, H100) the kernel needs 149 registers, not 255, and the wide tile wins: 16 x 64 on 4 warps
 # took 0.363 ms (83% of copy bandwidth on its bytes) against 0.674 ms for the n=4 default. With GP_SCRATCH
 # (session 8, H100) the wide n=2 tile took 0.340 ms (89%) against 0.406 without it in the same run, and the
-# n=2 training step went from 107.4 to 100.4 ms (915k to 979k tokens/s). At n=4 GP_SCRATCH was slower on every block tried (best
-# 1.076 ms against 1.025), so n=4 keeps the plain kernel. n=8 is not measured; it keeps the n=4 block.
+# n=2 training step went from 107.4 to 100.4 ms (915k to 979k tokens/s). At n=4 GP_SCRATCH was slower on
+# every block tried (best 1.076 ms against 1.025), so n=4 keeps the plain kernel. n=8 is not measured; it
+# keeps the n=4 block.
 # dphi: 32-token blocks, 0.114 ms against 0.135 for 64.
 def stream_bwd_config(device: torch.device, n: int) -> dict:
     if device.type != "cuda":

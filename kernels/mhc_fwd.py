@@ -46,15 +46,14 @@ def coef_premix_kernel(
     else:
         src_ptr = x_ptr
 
-    if APPLY:
-        if APPLY_PASS:  # pass 0: x' for all of this program's channels, then one barrier
-            for c0 in range(0, C, BC):
-                c = c0 + tl.arange(0, BC)
-                m2 = tmask[:, None] & (c < C)[None, :]
-                y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-                xs = apply_streams(load_streams(x_ptr, row, c, m2, C, n), y, h_res_in, h_post_in, n)
-                store_streams(xnew_ptr, row, c, m2, xs, C, n)
-            tl.debug_barrier()
+    if APPLY and APPLY_PASS:  # pass 0: x' for all of this program's channels, then one barrier
+        for c0 in range(0, C, BC):
+            c = c0 + tl.arange(0, BC)
+            m2 = tmask[:, None] & (c < C)[None, :]
+            y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            xs = apply_streams(load_streams(x_ptr, row, c, m2, C, n), y, h_res_in, h_post_in, n)
+            store_streams(xnew_ptr, row, c, m2, xs, C, n)
+        tl.debug_barrier()
 
     # Pass 1: one read of the streams feeds the projection and the sum of squares.
     acc = tl.zeros([BT, NP], tl.float32)
@@ -63,18 +62,17 @@ def coef_premix_kernel(
         c = c0 + tl.arange(0, BC)
         cmask = c < C
         m2 = tmask[:, None] & cmask[None, :]
-        if APPLY_PASS:
-            xs = load_streams(src_ptr, row, c, m2, C, n, KEEP_DTYPE=LOWP)
-        else:
+        if APPLY and not APPLY_PASS:  # the apply, tile by tile
             xs = load_streams(x_ptr, row, c, m2, C, n, KEEP_DTYPE=LOWP)
-            if APPLY:
-                y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-                store_streams(xnew_ptr, row, c, m2, apply_streams(xs, y, h_res_in, h_post_in, n), C, n)
-                # The projection reads x' back as stored (the reference rounds it too). Reading it from
-                # memory, not registers, also stops Triton from recomputing the apply in the dot-operand
-                # layout (replicated across warps), which doubled the registers and spilled.
-                tl.debug_barrier()
-                xs = load_streams(xnew_ptr, row, c, m2, C, n, KEEP_DTYPE=LOWP)
+            y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            store_streams(xnew_ptr, row, c, m2, apply_streams(xs, y, h_res_in, h_post_in, n), C, n)
+            # The projection reads x' back as stored (the reference rounds it too). Reading it from
+            # memory, not registers, also stops Triton from recomputing the apply in the dot-operand
+            # layout (replicated across warps), which doubled the registers and spilled.
+            tl.debug_barrier()
+            xs = load_streams(xnew_ptr, row, c, m2, C, n, KEEP_DTYPE=LOWP)
+        else:  # x' as pass 0 wrote it, or the input streams when there is no apply
+            xs = load_streams(src_ptr, row, c, m2, C, n, KEEP_DTYPE=LOWP)
         for i in tl.static_range(n):
             xf = xs[i].to(tl.float32)
             ss += tl.sum(xf * xf, axis=1)
@@ -165,8 +163,8 @@ def launch_coef_premix(launch, x, y, h_res, h_post, phi, alpha, bias, iters: int
     launch(coef_premix_kernel)[grid](
         x, y if apply else x, h_res if apply else raw, h_post if apply else raw,
         phit, alpha, bias, x_new if apply else x, u, h_post_out, h_res_out, raw, rinv,
-        T, C, n=n, N=N, NP=padded_columns(n), ITERS=iters, EPS=RMS_EPS, APPLY=apply, APPLY_PASS=apply_pass, LOWP=lowp,
-        BT=BT, BC=BC, **cfg)
+        T, C, n=n, N=N, NP=padded_columns(n), ITERS=iters, EPS=RMS_EPS, APPLY=apply, APPLY_PASS=apply_pass,
+        LOWP=lowp, BT=BT, BC=BC, **cfg)
     return x_new, u, h_post_out, h_res_out, raw, rinv
 
 

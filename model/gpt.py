@@ -54,7 +54,8 @@ class GPT(nn.Module):
         if n > 1:
             units = self.n_mhc_blocks * (1 if cfg.mhc_granularity == "block" else 2)
             self.mhc = nn.ModuleList(MHCParams(n, C, cfg.mhc_alpha_init) for _ in range(units))
-            # Σ_i w_i x_i after the last mHC block (for the head, or the plain blocks after mhc_blocks); the mean at init
+            # Σ_i w_i x_i after the last mHC block (for the head, or the plain blocks after mhc_blocks);
+            # the mean at init
             self.readout = nn.Parameter(torch.full((n,), 1.0 / n))
             self.ops = mhc_ops(cfg.mhc_kernels)
         self.final_norm = RMSNorm(C)

@@ -9,10 +9,10 @@
 of sublayer l+1, with the sublayer output y given), in bf16: forward, backward and forward+backward
 of the eager PyTorch reference, torch.compile of the reference, and the Triton kernels. Each time is
 compared with the floor set by the bytes that must move (printed per token) at the device-to-device
-copy bandwidth measured in the same run. `triton-graph` (not in the default set) replays each pass of the
-Triton unit from a CUDA graph: device time only, without the gaps a slow host leaves between eager
-launches (short units, as at n=2, can be host-bound). `--sweep` also times each Triton kernel alone under several
-block configurations. `--profile-once` times nothing: it runs the Triton unit's forward and backward
+copy bandwidth measured in the same run. `triton-graph` (not in the default set) replays each pass of
+the Triton unit from a CUDA graph: device time only, without the gaps a slow host leaves between eager
+launches (short units, as at n=2, can be host-bound). `--sweep` also times each Triton kernel alone
+under several block configurations. `--profile-once` times nothing: it runs the Triton unit's forward and backward
 twice (the first compiles) for a profiler to read; the five mHC kernels of the second run are
     ncu --clock-control none --kernel-name regex:"coef_premix|premix_grad|coef_bwd|stream_bwd|dphi"
         --launch-skip 5 --launch-count 5 python scripts/bench_kernels.py mhc --tokens 98304 --profile-once
@@ -157,7 +157,8 @@ def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float, kernels
                         (2 * n + 2) * C * 2),
         "coef_bwd": (lambda cfg: launch_coef_bwd(direct, x_new, du, dhp, dhr, raw, rinv, alpha, bias, 20, cfg),
                      (n + 1) * C * 2),
-        "stream_bwd": (lambda cfg: launch_stream_bwd(direct, x, y, h_res, h_post, dxo, du, aux, phi, cfg), (3 * n + 3) * C * 2),
+        "stream_bwd": (lambda cfg: launch_stream_bwd(direct, x, y, h_res, h_post, dxo, du, aux, phi, cfg),
+                       (3 * n + 3) * C * 2),
         "dphi": (lambda cfg: launch_dphi(direct, x_new, aux, cfg), n * C * 2),
     }
     rows = []
@@ -180,8 +181,8 @@ def default_configs(n: int) -> dict[str, dict]:
     from kernels.mhc_bwd import coef_bwd_config, dphi_config, stream_bwd_config
     from kernels.mhc_fwd import fwd_config
     gpu = torch.device("cuda")
-    return {"coef_premix": fwd_config(gpu, n), "coef_bwd": coef_bwd_config(gpu), "stream_bwd": stream_bwd_config(gpu, n),
-            "dphi": dphi_config(gpu)}
+    return {"coef_premix": fwd_config(gpu, n), "coef_bwd": coef_bwd_config(gpu),
+            "stream_bwd": stream_bwd_config(gpu, n), "dphi": dphi_config(gpu)}
 
 
 def default_blocks(n: int) -> dict[str, dict]:
@@ -209,7 +210,7 @@ def sweep_summary(rows: list[tuple], defaults: dict[str, dict]) -> list[str]:
 # ---------------------------------------------------------------- mhc subcommand
 
 IMPLS = ("eager", "compiled", "triton")  # the default set
-OPTIONAL_IMPLS = ("triton-graph",)
+ALL_IMPLS = IMPLS + ("triton-graph",)
 IMPL_LABELS = {"eager": "eager reference", "compiled": "compiled reference", "triton": "triton kernels",
                "triton-graph": "triton, CUDA graph"}
 
@@ -235,14 +236,14 @@ def parse_mhc_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sweep", nargs="?", const="all", default="", metavar="KERNELS",
                    help=f"also time Triton kernels under several block configs: all, or some of {','.join(SWEEP)}")
     p.add_argument("--impls", default=",".join(IMPLS),
-                   help=f"comma-separated subset of {','.join(IMPLS + OPTIONAL_IMPLS)}")
+                   help=f"comma-separated subset of {','.join(ALL_IMPLS)}")
     p.add_argument("--profile-once", action="store_true",
                    help="no timing: run the Triton unit's forward+backward twice at the first --tokens, for a profiler")
     args = p.parse_args(argv)
     args.impls = [name.strip() for name in args.impls.split(",") if name.strip()]
-    unknown = sorted(set(args.impls) - set(IMPLS + OPTIONAL_IMPLS))
+    unknown = sorted(set(args.impls) - set(ALL_IMPLS))
     if unknown or not args.impls:
-        p.error(f"--impls must name some of {','.join(IMPLS + OPTIONAL_IMPLS)}, got {unknown or 'nothing'}")
+        p.error(f"--impls must name some of {','.join(ALL_IMPLS)}, got {unknown or 'nothing'}")
     if min(args.tokens) <= 0 or args.rep_ms <= 0:
         p.error(f"--tokens and --rep-ms must be positive, got {args.tokens} and {args.rep_ms}")
     args.sweep = list(SWEEP) if args.sweep == "all" else [k.strip() for k in args.sweep.split(",") if k.strip()]

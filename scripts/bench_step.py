@@ -53,6 +53,8 @@ VARIANTS = {
     "n2-block-kernels": ["model.n_streams=2", *BLOCK_ALL, *KERNELS],
     "n2-kernels": ["model.n_streams=2", *SUBLAYER_ALL, *KERNELS],
 }
+
+
 def variant_overrides(name: str, overrides: list[str]) -> list[str]:
     """The variant's own settings, then the command line's, so the command line wins."""
     return VARIANTS[name] + list(overrides)
@@ -129,9 +131,10 @@ def main(argv=None) -> list[dict]:
     if a.profile < 0:
         p.error(f"--profile takes a number of steps >= 0, got {a.profile}")
     try:  # every variant's config before the first one compiles (an override may not suit them all)
-        device = [load_config(a.config, variant_overrides(name, a.overrides)) for name in names][0].train.device
+        configs = [load_config(a.config, variant_overrides(name, a.overrides)) for name in names]
     except ConfigError as e:
         p.error(str(e))
+    device = configs[0].train.device
     dist = init_distributed(device)
     rows = []
     print0("| variant | ranks | params | ms/step | tokens/s | MFU % | peak GiB (rank 0) | warm-up s | last loss |")
