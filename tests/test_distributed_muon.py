@@ -114,3 +114,33 @@ def test_sharded_step_equals_single_process_on_averaged_grads(tmp_path, capfd, w
     # Momentum state is sharded: each matrix has its buffer on exactly one rank.
     assert sum(res["muon_state"] for res in results) == len(shapes)
     assert capfd.readouterr().out.count(f"world {world} done") == 1  # print0 prints on rank 0 only
+
+
+def live_thread_names() -> list[str]:
+    tasks = "/proc/self/task"
+    return [open(f"{tasks}/{t}/comm").read().strip() for t in os.listdir(tasks)]
+
+
+def teardown_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """A sharded step (async reduce-scatter and all-gather), destroy(), then the threads still alive."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    init_distributed("cpu")
+    model = Chain([(8, 8), (8, 8), (8, 8)])
+    opts = build_optimizers(model.param_groups(), CFG)  # constructing an optimizer imports torch._dynamo
+    accumulate(model, 0, rank)
+    optimizer_step(opts, CFG.grad_clip)
+    destroy()
+    with open(os.path.join(out_dir, f"threads{rank}.txt"), "w") as f:
+        f.write("\n".join(live_thread_names()))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through Linux's /proc")
+def test_destroy_ends_the_gloo_worker_threads(tmp_path, free_port):
+    """A gloo worker thread alive at interpreter shutdown can free a collective's tensor there and abort
+    the process after its work is done (torchrun then reports a failed rank): destroy() must end them."""
+    mp.spawn(teardown_worker, args=(2, free_port, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        names = (tmp_path / f"threads{rank}.txt").read_text().split("\n")
+        assert not [n for n in names if "gloo" in n], f"rank {rank} threads after destroy(): {names}"

@@ -6,6 +6,7 @@ Muon with a reduce-scatter — clips with the averaged gradients, and steps.
 """
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
 
@@ -54,6 +55,11 @@ def init_distributed(device: str = "auto") -> DistInfo:
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
+    # torch._dynamo first: imported while a group exists (torch.compile and torch.optim import it), it
+    # keeps references to that group which destroy_process_group cannot drop (torch 2.13), so gloo's
+    # worker threads outlive destroy(). One of them may then free the last reference to a collective's
+    # tensor while the interpreter shuts down; taking the GIL there aborts the finished process (SIGABRT).
+    importlib.import_module("torch._dynamo")
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
     return DistInfo(rank, local_rank, world, dev)
 
@@ -81,6 +87,8 @@ def barrier() -> None:
 
 
 def destroy() -> None:
+    """Leave the process group. The groups, and gloo's worker threads, end here unless the caller still
+    holds a handle to one (a subgroup kept in an object that outlives this call, say)."""
     if is_initialized():
         dist.destroy_process_group()
 
