@@ -2,8 +2,10 @@
 
     python -m scripts.evaluate --artifact runs/<run>.mhcg --val 'DIR/fineweb_val_*.bin' --tokenizer T.model
 
-Prints one JSON line: val_loss, val_bpb, tokens, bytes, artifact_bytes, code_bytes, total_bytes.
-train.py's final line comes from `evaluate_artifact` below: the same code path.
+Prints one JSON line: val_loss, val_bpb, tokens, bytes, context, stride, artifact_bytes, code_bytes,
+total_bytes. train.py's final line comes from `evaluate_artifact` below: the same code path. Unless
+--context / --stride say otherwise, the windows are the ones the run scored itself with (its
+eval.context and eval.stride, recorded in the artifact), so the score reproduces train.py's.
 """
 from __future__ import annotations
 
@@ -42,11 +44,29 @@ def load_model(artifact: Path, device: torch.device) -> tuple[GPT, dict]:
     return model.to(device), meta
 
 
+def recorded_eval(meta: dict, context: int | None = None, stride: int | None = None,
+                  batch_seqs: int | None = None) -> EvalConfig:
+    """The windows the run scored itself with, from the artifact's meta, under any argument given here.
+    Artifacts written before eval_context was recorded fall back to their training sequence length."""
+    default = EvalConfig()
+    recorded = {"context": meta.get("eval_context", meta.get("seq_len", default.context)),
+                "stride": meta.get("eval_stride", default.stride), "batch_seqs": default.batch_seqs}
+    given = {"context": context, "stride": stride, "batch_seqs": batch_seqs}
+    return EvalConfig(**{k: recorded[k] if v is None else v for k, v in given.items()})
+
+
 def evaluate_artifact(artifact: str | Path, val_tokens, lut: ByteLUT, eval_cfg: EvalConfig, *,
                       device: torch.device, rank: int = 0, world_size: int = 1,
                       tokenizer_sha256: str | None = None) -> dict:
-    artifact = Path(artifact)
-    model, meta = load_model(artifact, device)
+    model, meta = load_model(Path(artifact), device)
+    return score_model(Path(artifact), model, meta, val_tokens, lut, eval_cfg, device=device, rank=rank,
+                       world_size=world_size, tokenizer_sha256=tokenizer_sha256)
+
+
+def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT, eval_cfg: EvalConfig, *,
+                device: torch.device, rank: int = 0, world_size: int = 1,
+                tokenizer_sha256: str | None = None) -> dict:
+    """BPB of the model loaded from `artifact`, and the shipped size (artifact + counted code)."""
     if tokenizer_sha256 and meta.get("tokenizer_sha256") not in (None, tokenizer_sha256):
         raise ValueError(f"{artifact}: trained with tokenizer sha256 {meta['tokenizer_sha256'][:12]}…, "
                          f"evaluating with {tokenizer_sha256[:12]}… (hint: pass the run's tokenizer)")
@@ -55,7 +75,7 @@ def evaluate_artifact(artifact: str | Path, val_tokens, lut: ByteLUT, eval_cfg: 
                           autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
                           rank=rank, world_size=world_size)
     sizes = check_total(artifact.stat().st_size, code_bytes(REPO))
-    result.update(artifact_bytes=sizes["artifact_bytes"], code_bytes=sizes["code_bytes"],
+    result.update(context=eval_cfg.context, stride=eval_cfg.stride, artifact_bytes=sizes["artifact_bytes"], code_bytes=sizes["code_bytes"],
                   total_bytes=sizes["total_bytes"], fits_cap=sizes["fits"])
     return result
 
@@ -65,10 +85,9 @@ def main(argv=None) -> None:
     p.add_argument("--artifact", required=True)
     p.add_argument("--val", required=True, help="glob of validation shards, or a directory holding fineweb_val_*.bin")
     p.add_argument("--tokenizer", required=True, help="SentencePiece model the artifact was trained with")
-    defaults = EvalConfig()
-    p.add_argument("--stride", type=int, default=defaults.stride, help="0 = non-overlapping windows")
-    p.add_argument("--context", type=int, default=defaults.context)
-    p.add_argument("--batch-seqs", type=int, default=defaults.batch_seqs)
+    p.add_argument("--context", type=int, help="window length in tokens (default: the run's eval.context)")
+    p.add_argument("--stride", type=int, help="0 = non-overlapping windows (default: the run's eval.stride)")
+    p.add_argument("--batch-seqs", type=int, help=f"windows per forward pass (default {EvalConfig().batch_seqs})")
     p.add_argument("--max-tokens", type=int, default=0, help="score only the first N validation tokens")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
@@ -76,9 +95,11 @@ def main(argv=None) -> None:
     tokens = load_tokens(list_shards(pattern))
     if a.max_tokens:
         tokens = tokens[:a.max_tokens]
-    eval_cfg = EvalConfig(context=a.context, stride=a.stride, batch_seqs=a.batch_seqs)
-    result = evaluate_artifact(a.artifact, tokens, build_byte_lut(a.tokenizer), eval_cfg,
-                               device=torch.device(a.device), tokenizer_sha256=file_sha256(a.tokenizer))
+    device = torch.device(a.device)
+    model, meta = load_model(Path(a.artifact), device)
+    eval_cfg = recorded_eval(meta, a.context, a.stride, a.batch_seqs)
+    result = score_model(Path(a.artifact), model, meta, tokens, build_byte_lut(a.tokenizer), eval_cfg,
+                         device=device, tokenizer_sha256=file_sha256(a.tokenizer))
     print(json.dumps(result, sort_keys=True))
     if not result["fits_cap"]:
         sys.exit(f"total {result['total_bytes']:,} bytes is over the 16,000,000-byte cap by "

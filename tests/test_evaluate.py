@@ -129,3 +129,15 @@ def test_artifact_trained_with_fa3_loads_where_fa3_is_missing(tmp_path, monkeypa
     loaded, loaded_meta = load_model(path, torch.device("cpu"))
     assert loaded_meta["model_config"]["attention"] == "fa3"
     assert loaded.cfg.attention == "auto" and all(a.body.fa3 is None for a in loaded.sublayers[::2])
+
+
+def test_scoring_windows_default_to_the_ones_the_run_recorded():
+    """scripts.evaluate's --context/--stride default to the artifact's eval_context/eval_stride; artifacts
+    written before those were recorded use their training length; an argument given always wins."""
+    from scripts.evaluate import recorded_eval
+    meta = {"seq_len": 128, "eval_context": 96, "eval_stride": 32}
+    assert (recorded_eval(meta).context, recorded_eval(meta).stride) == (96, 32)
+    assert (recorded_eval(meta, context=64, stride=0).context, recorded_eval(meta, stride=0).stride) == (64, 0)
+    older = recorded_eval({"seq_len": 128})
+    assert (older.context, older.stride, older.batch_seqs) == (128, 64, 16)
+    assert recorded_eval({}, batch_seqs=4).context == 2048 and recorded_eval({}, batch_seqs=4).batch_seqs == 4

@@ -84,7 +84,8 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
         code = code_bytes(REPO)
         budget = cfg.quant.cap_bytes - code - cfg.quant.margin_bytes
         meta = {"model_config": dataclasses.asdict(cfg.model), "tokenizer_sha256": tokenizer_sha256,
-                "run_id": cfg.train.run_id, "seq_len": cfg.data.seq_len}
+                "run_id": cfg.train.run_id, "seq_len": cfg.data.seq_len,
+                "eval_context": cfg.eval.context, "eval_stride": cfg.eval.stride}  # scripts.evaluate's defaults
         t0 = time.perf_counter()
         try:
             with reference_mlps(model):
