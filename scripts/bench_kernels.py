@@ -306,6 +306,9 @@ SUBCOMMANDS = ("mhc", "mlp")
 
 def main(argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        raise SystemExit(0)
     if not argv or argv[0] not in SUBCOMMANDS:
         raise SystemExit(f"usage: bench_kernels.py {{{','.join(SUBCOMMANDS)}}} [options]; got {argv[:1] or 'nothing'}"
                          "\nhint: `bench_kernels.py mhc --help` lists the mHC options")

@@ -393,6 +393,9 @@ def test_bench_dispatches_subcommands(capsys):
     from scripts.bench_kernels import main
     with pytest.raises(SystemExit, match="usage: bench_kernels.py"):
         main([])
+    with pytest.raises(SystemExit) as exit_info:  # the top-level help names both subcommands
+        main(["--help"])
+    assert exit_info.value.code == 0 and "bench_kernels.py mhc" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:  # mlp lives in scripts/bench_mlp.py, with its own flags
         main(["mlp", "--help"])
     assert exit_info.value.code == 0 and "--hidden" in capsys.readouterr().out
