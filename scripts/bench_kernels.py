@@ -112,8 +112,9 @@ def make_inputs(T: int, n: int, C: int) -> list[torch.Tensor]:
 
 
 def cuda_graph(run):
-    """`run` captured once into a CUDA graph; returns its replay. Warmed up on a side stream first, as
-    capture requires (compilation, allocator pools)."""
+    """`run` captured once into a CUDA graph: (its replay, what the captured call returned, which each
+    replay overwrites). Warmed up on a side stream first, as capture requires (compilation, allocator
+    pools). Captures run on torch.cuda.graph's default capture stream."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -122,22 +123,29 @@ def cuda_graph(run):
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run()
-    return graph.replay
+        result = run()
+    return graph.replay, result
 
 
 def pass_timings(fn, inputs: list[torch.Tensor], rep_ms: int, graphed: bool = False) -> dict[str, float]:
     """Milliseconds of forward (training mode), backward (retained graph) and forward+backward; with
     `graphed`, each pass is replayed from a CUDA graph."""
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
-    outs = fn(*leaves)
+    if graphed:  # autograd runs each backward node on its forward's stream: for the backward to be
+        # captured, its forward must have run on the capture stream, i.e. inside a capture itself
+        fwd_replay, outs = cuda_graph(lambda: fn(*leaves))
+    else:
+        outs = fn(*leaves)
     cotangents = [torch.randn_like(o) for o in outs]
     passes = {
         "fwd": lambda: fn(*leaves),
         "bwd": lambda: torch.autograd.grad(outs, leaves, cotangents, retain_graph=True),
         "fwd+bwd": lambda: torch.autograd.grad(fn(*leaves), leaves, cotangents),
     }
-    return {name: bench_ms(cuda_graph(run) if graphed else run, rep_ms) for name, run in passes.items()}
+    if not graphed:
+        return {name: bench_ms(run, rep_ms) for name, run in passes.items()}
+    replays = {"fwd": fwd_replay, "bwd": cuda_graph(passes["bwd"])[0], "fwd+bwd": cuda_graph(passes["fwd+bwd"])[0]}
+    return {name: bench_ms(replay, rep_ms) for name, replay in replays.items()}
 
 
 def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float, kernels: list[str]) -> list[tuple]:

@@ -455,20 +455,25 @@ def test_gpu_bench_mhc_runs_with_sweep():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_cuda_graph_replays_the_passes_it_times():
     """Each pass captured by cuda_graph recomputes what it computes eagerly (replayed into the graph's own
-    outputs), and bench_kernels times all three passes that way."""
+    outputs), and bench_kernels times all three passes that way. The backward is captured as the
+    benchmark does it: on the outputs of a captured forward (autograd runs it on the forward's stream)."""
     from kernels import mhc as K
     from scripts.bench_kernels import cuda_graph, main, make_inputs
     leaves = [t.detach().clone().requires_grad_() for t in make_inputs(3000, 4, 512)]
-    outs = K.mhc_post_pre(*leaves)
+    eager_outs = K.mhc_post_pre(*leaves)
+    fwd_replay, outs = cuda_graph(lambda: K.mhc_post_pre(*leaves))
     cotangents = [torch.randn_like(o) for o in outs]
     eager = torch.autograd.grad(outs, leaves, cotangents, retain_graph=True)
-    captured = []
-    replay = cuda_graph(lambda: captured.append(torch.autograd.grad(outs, leaves, cotangents, retain_graph=True)))
-    for g in captured[-1]:
-        g.zero_()
-    replay()
+    bwd_replay, grads = cuda_graph(lambda: torch.autograd.grad(outs, leaves, cotangents, retain_graph=True))
+    with torch.no_grad():
+        for t in [*outs, *grads]:
+            t.zero_()
+    fwd_replay()
+    bwd_replay()
     torch.cuda.synchronize()
-    for i, (a, b) in enumerate(zip(captured[-1], eager)):
+    for i, (a, b) in enumerate(zip(outs, eager_outs)):
+        assert torch.equal(a, b), f"output {i} differs after replay"
+    for i, (a, b) in enumerate(zip(grads, eager)):
         assert torch.equal(a, b), f"gradient {i} differs after replay"
     rows = main(["mhc", "--tokens", "3000", "--rep-ms", "10", "--impls", "triton-graph"])
     assert [(r["impl"], r["pass_name"]) for r in rows] == [("triton, CUDA graph", p) for p in ("fwd", "bwd", "fwd+bwd")]
