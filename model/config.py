@@ -63,6 +63,8 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the field for options the model cannot build."""
+        if self.n_streams < 1:
+            raise ValueError(f"model.n_streams={self.n_streams} must be >= 1 (1 = plain residual network)")
         hd = self.head_dim
         if self.rope_dims < 0 or self.rope_dims > hd or self.rope_dims % 2:
             raise ValueError(f"model.rope_dims={self.rope_dims} must be even and in [0, head_dim={hd}] "

@@ -150,6 +150,8 @@ def test_mhc_blocks_wraps_the_first_blocks_and_leaves_the_rest_plain(granularity
                        (dict(n_streams=1, mhc_blocks=1), "needs n_streams >= 2")):
         with pytest.raises(ValueError, match=f"model.mhc_blocks=.* {match}"):
             GPT(tiny(**bad))
+    with pytest.raises(ValueError, match="model.n_streams=0 must be >= 1"):  # the model checks it, not only the config
+        GPT(tiny(n_streams=0, mhc_blocks=1))
 
 
 def test_mhc_blocks_with_the_triton_kernels_matches_the_reference():

@@ -185,8 +185,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads}")
-    if m.n_streams < 1:
-        raise ConfigError(f"model.n_streams={m.n_streams} must be >= 1 (1 = plain residual network)")
     if t.schedule not in ("steps", "time"):
         raise ConfigError(f"train.schedule={t.schedule!r}: expected 'steps' or 'time'")
     if t.schedule == "time" and t.time_budget_s <= 0:
