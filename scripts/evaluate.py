@@ -4,8 +4,8 @@
 
 Prints one JSON line: val_loss, val_bpb, tokens, bytes, context, stride, artifact_bytes, code_bytes,
 total_bytes. train.py's final line comes from `evaluate_artifact` below: the same code path. Unless
---context / --stride say otherwise, the windows are the ones the run scored itself with (its
-eval.context and eval.stride, recorded in the artifact), so the score reproduces train.py's.
+--context / --stride / --max-tokens say otherwise, it scores as the run did (its eval.context,
+eval.stride and eval.max_tokens, recorded in the artifact), so the number is train.py's.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from model.config import ModelConfig  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from quant.container import load_artifact  # noqa: E402
 from quant.size import check_total, code_bytes  # noqa: E402
-from training.config import EvalConfig  # noqa: E402
+from training.config import EVAL_RECORDED, EvalConfig  # noqa: E402
 from training.evaluate import evaluate_bpb  # noqa: E402
 
 
@@ -44,15 +44,13 @@ def load_model(artifact: Path, device: torch.device) -> tuple[GPT, dict]:
     return model.to(device), meta
 
 
-def recorded_eval(meta: dict, context: int | None = None, stride: int | None = None,
-                  batch_seqs: int | None = None) -> EvalConfig:
-    """The windows the run scored itself with, from the artifact's meta, under any argument given here.
-    Artifacts written before eval_context was recorded fall back to their training sequence length."""
+def recorded_eval(meta: dict, **given: int | None) -> EvalConfig:
+    """How the run scored itself (the meta's eval_context, eval_stride, eval_max_tokens), under any value
+    `given` that is not None. Artifacts written before these were recorded get EvalConfig's defaults."""
     default = EvalConfig()
-    recorded = {"context": meta.get("eval_context", meta.get("seq_len", default.context)),
-                "stride": meta.get("eval_stride", default.stride), "batch_seqs": default.batch_seqs}
-    given = {"context": context, "stride": stride, "batch_seqs": batch_seqs}
-    return EvalConfig(**{k: recorded[k] if v is None else v for k, v in given.items()})
+    recorded = {key: meta.get(f"eval_{key}", getattr(default, key)) for key in EVAL_RECORDED}
+    settings = {**recorded, **{key: value for key, value in given.items() if value is not None}}
+    return EvalConfig(**settings)
 
 
 def evaluate_artifact(artifact: str | Path, val_tokens, lut: ByteLUT, eval_cfg: EvalConfig, *,
@@ -75,7 +73,8 @@ def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT
                           autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
                           rank=rank, world_size=world_size)
     sizes = check_total(artifact.stat().st_size, code_bytes(REPO))
-    result.update(context=eval_cfg.context, stride=eval_cfg.stride, artifact_bytes=sizes["artifact_bytes"], code_bytes=sizes["code_bytes"],
+    result.update(context=eval_cfg.context, stride=eval_cfg.stride, max_tokens=eval_cfg.max_tokens,
+                  artifact_bytes=sizes["artifact_bytes"], code_bytes=sizes["code_bytes"],
                   total_bytes=sizes["total_bytes"], fits_cap=sizes["fits"])
     return result
 
@@ -88,16 +87,18 @@ def main(argv=None) -> None:
     p.add_argument("--context", type=int, help="window length in tokens (default: the run's eval.context)")
     p.add_argument("--stride", type=int, help="0 = non-overlapping windows (default: the run's eval.stride)")
     p.add_argument("--batch-seqs", type=int, help=f"windows per forward pass (default {EvalConfig().batch_seqs})")
-    p.add_argument("--max-tokens", type=int, default=0, help="score only the first N validation tokens")
+    p.add_argument("--max-tokens", type=int,
+                   help="score only the first N validation tokens, 0 = all (default: the run's eval.max_tokens)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
     pattern = str(Path(a.val) / "fineweb_val_*.bin") if Path(a.val).is_dir() else a.val
     tokens = load_tokens(list_shards(pattern))
-    if a.max_tokens:
-        tokens = tokens[:a.max_tokens]
     device = torch.device(a.device)
     model, meta = load_model(Path(a.artifact), device)
-    eval_cfg = recorded_eval(meta, a.context, a.stride, a.batch_seqs)
+    eval_cfg = recorded_eval(meta, context=a.context, stride=a.stride, max_tokens=a.max_tokens,
+                             batch_seqs=a.batch_seqs)
+    if eval_cfg.max_tokens:
+        tokens = tokens[:eval_cfg.max_tokens]
     result = score_model(Path(a.artifact), model, meta, tokens, build_byte_lut(a.tokenizer), eval_cfg,
                          device=device, tokenizer_sha256=file_sha256(a.tokenizer))
     print(json.dumps(result, sort_keys=True))

@@ -131,13 +131,15 @@ def test_artifact_trained_with_fa3_loads_where_fa3_is_missing(tmp_path, monkeypa
     assert loaded.cfg.attention == "auto" and all(a.body.fa3 is None for a in loaded.sublayers[::2])
 
 
-def test_scoring_windows_default_to_the_ones_the_run_recorded():
-    """scripts.evaluate's --context/--stride default to the artifact's eval_context/eval_stride; artifacts
-    written before those were recorded use their training length; an argument given always wins."""
+def test_scoring_defaults_to_what_the_run_recorded():
+    """scripts.evaluate's --context/--stride/--max-tokens default to the artifact's eval_* values; a value
+    given always wins (0 included); artifacts written before the record get EvalConfig's defaults."""
     from scripts.evaluate import recorded_eval
-    meta = {"seq_len": 128, "eval_context": 96, "eval_stride": 32}
-    assert (recorded_eval(meta).context, recorded_eval(meta).stride) == (96, 32)
-    assert (recorded_eval(meta, context=64, stride=0).context, recorded_eval(meta, stride=0).stride) == (64, 0)
-    older = recorded_eval({"seq_len": 128})
-    assert (older.context, older.stride, older.batch_seqs) == (128, 64, 16)
-    assert recorded_eval({}, batch_seqs=4).context == 2048 and recorded_eval({}, batch_seqs=4).batch_seqs == 4
+    from training.config import EvalConfig
+    meta = {"seq_len": 128, "eval_context": 96, "eval_stride": 32, "eval_max_tokens": 5000}
+    got = recorded_eval(meta)
+    assert (got.context, got.stride, got.max_tokens) == (96, 32, 5000)
+    got = recorded_eval(meta, context=64, stride=0, max_tokens=0, batch_seqs=4)
+    assert (got.context, got.stride, got.max_tokens, got.batch_seqs) == (64, 0, 0, 4)
+    older, default = recorded_eval({"seq_len": 32}), EvalConfig()
+    assert (older.context, older.stride, older.max_tokens) == (default.context, default.stride, default.max_tokens)

@@ -51,14 +51,14 @@ def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path,
     assert steps[0]["step"] == 1 and steps[-1]["step"] == 40
     assert steps[-1]["loss"] < steps[0]["loss"] - 1.0, "loss must fall within a few dozen steps"
     assert any(line.startswith("config ") for line in log) and any("commit" in line for line in log)
-    # scripts.evaluate in a fresh call scores with the run's own windows (eval.context=32, stride=16)
+    # scripts.evaluate in a fresh call scores as the run did (eval.context=32, stride=16, max_tokens=3000)
     # unless told otherwise, and so reproduces train.py's number exactly.
     from scripts import evaluate
-    args = ["--artifact", str(artifact), "--val", str(demo_dir), "--tokenizer", str(demo_dir / "tokenizer.model"),
-            "--max-tokens", "3000"]
+    args = ["--artifact", str(artifact), "--val", str(demo_dir), "--tokenizer", str(demo_dir / "tokenizer.model")]
     evaluate.main(args)
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert (again["context"], again["stride"]) == (32, 16) and again["val_bpb"] == final["val_bpb"]
+    assert (again["context"], again["stride"], again["max_tokens"]) == (32, 16, 3000)
+    assert again["val_bpb"] == final["val_bpb"] and again["tokens"] == final["tokens"]
     evaluate.main(args + ["--stride", "0"])
     windows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (windows["context"], windows["stride"]) == (32, 0) and windows["val_bpb"] != final["val_bpb"]

@@ -46,6 +46,10 @@ class OptimConfig:
     ema_warmup_steps: int = 10         # decay at step t = min(ema_decay, (1 + t) / (ema_warmup_steps + t))
 
 
+# The eval settings an artifact's meta records (as eval_<key>): scripts.evaluate scores with them by default.
+EVAL_RECORDED = ("context", "stride", "max_tokens")
+
+
 @dataclass
 class EvalConfig:
     every_steps: int = 0               # periodic validation during training (0: only at the end)

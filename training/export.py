@@ -19,7 +19,7 @@ from quant.calibrate import generate_calibration_tokens
 from quant.allocate import BudgetError
 from quant.export import export_artifact
 from quant.size import code_bytes
-from training.config import Config
+from training.config import EVAL_RECORDED, Config
 
 REPO = Path(__file__).resolve().parents[1]
 CALIB_SEED_OFFSET = 7919  # calibration reads the training shards in an order of its own
@@ -85,7 +85,7 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
         budget = cfg.quant.cap_bytes - code - cfg.quant.margin_bytes
         meta = {"model_config": dataclasses.asdict(cfg.model), "tokenizer_sha256": tokenizer_sha256,
                 "run_id": cfg.train.run_id, "seq_len": cfg.data.seq_len,
-                "eval_context": cfg.eval.context, "eval_stride": cfg.eval.stride}  # scripts.evaluate's defaults
+                **{f"eval_{key}": getattr(cfg.eval, key) for key in EVAL_RECORDED}}  # scripts.evaluate's defaults
         t0 = time.perf_counter()
         try:
             with reference_mlps(model):
