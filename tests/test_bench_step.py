@@ -41,7 +41,16 @@ def test_torchrun_times_the_distributed_step_and_reports_once():
 
 
 def test_default_variants_are_the_shipped_config_and_the_kernels_on_off_grid():
-    assert bench_step.DEFAULT_VARIANTS == ("config-kernels", "n4-kernels", "n4-ref", "n1-kernels", "n1-ref")
+    """By default: the shipped layout with every kernel, then 4 streams and the plain network, each with
+    the Triton kernels and with the PyTorch reference (what each one builds, on the recipe config)."""
+    from training.config import load_config
+    short = str(bench_step.REPO / "configs/h100_short.toml")
+    built = {}
+    for name in bench_step.DEFAULT_VARIANTS:
+        m = load_config(short, bench_step.variant_overrides(name, [])).model
+        built[name] = (m.n_streams, m.mhc_blocks, m.mlp_kernel, m.mhc_kernels if m.n_streams > 1 else None)
+    assert built == {"config-kernels": (2, 3, True, True), "n4-kernels": (4, 0, True, True),
+                     "n4-ref": (4, 0, False, False), "n1-kernels": (1, 0, True, None), "n1-ref": (1, 0, False, None)}
 
 
 def test_named_variants_fix_the_mhc_layout_and_overrides_win():
