@@ -97,6 +97,10 @@ def main(argv=None) -> None:
     model, meta = load_model(Path(a.artifact), device)
     eval_cfg = recorded_eval(meta, context=a.context, stride=a.stride, max_tokens=a.max_tokens,
                              batch_seqs=a.batch_seqs)
+    try:
+        eval_cfg.validate()
+    except ValueError as e:
+        p.error(f"{e} (hint: from --context/--stride/--max-tokens/--batch-seqs, else recorded in {a.artifact})")
     if eval_cfg.max_tokens:
         tokens = tokens[:eval_cfg.max_tokens]
     result = score_model(Path(a.artifact), model, meta, tokens, build_byte_lut(a.tokenizer), eval_cfg,

@@ -39,6 +39,11 @@ def test_overrides_apply_after_the_file_with_types():
     ("model.mhc_granularity=layer", "model.mhc_granularity='layer'"),
     ("model.mhc_blocks=12", "model.mhc_blocks=12 must be in [0, n_layers=11]"),
     ("model.n_streams=0", "n_streams"),
+    ("eval.context=0", "eval.context=0 must be >= 1"),
+    ("eval.stride=4096", "eval.stride=4096 must be in [0, eval.context=2048]"),
+    ("eval.max_tokens=-1", "eval.max_tokens=-1 must be >= 0 (0 = every token)"),
+    ("eval.every_steps=-5", "eval.every_steps=-5 must be >= 0"),
+    ("eval.batch_seqs=0", "eval.batch_seqs=0 must be >= 1"),
 ])
 def test_bad_overrides_name_the_field(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

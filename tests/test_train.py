@@ -62,6 +62,9 @@ def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path,
     evaluate.main(args + ["--stride", "0"])
     windows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (windows["context"], windows["stride"]) == (32, 0) and windows["val_bpb"] != final["val_bpb"]
+    with pytest.raises(SystemExit):  # a negative cap would silently drop the last tokens
+        evaluate.main(args + ["--max-tokens", "-5"])
+    assert "eval.max_tokens=-5 must be >= 0" in capsys.readouterr().err
 
 
 def test_calibration_on_training_tokens_is_checked_against_its_reserve():

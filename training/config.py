@@ -59,6 +59,19 @@ class EvalConfig:
     batch_seqs: int = 16               # windows per forward pass
     pre_quant: bool = True             # also score the unquantized (EMA) model, to report the quantization gap
 
+    def validate(self) -> None:
+        """Raise ValueError naming the field: checked when the config loads, not after training."""
+        if self.context < 1:
+            raise ValueError(f"eval.context={self.context} must be >= 1 (tokens per scoring window)")
+        if not 0 <= self.stride <= self.context:
+            raise ValueError(f"eval.stride={self.stride} must be in [0, eval.context={self.context}] "
+                             "(0 = non-overlapping windows)")
+        for name, what in (("every_steps", "0 = only at the end"), ("max_tokens", "0 = every token")):
+            if getattr(self, name) < 0:
+                raise ValueError(f"eval.{name}={getattr(self, name)} must be >= 0 ({what})")
+        if self.batch_seqs < 1:
+            raise ValueError(f"eval.batch_seqs={self.batch_seqs} must be >= 1 (windows per forward pass)")
+
 
 @dataclass
 class QuantConfig:
@@ -183,6 +196,7 @@ def validate(cfg: Config) -> None:
     m, t = cfg.model, cfg.train
     try:
         m.validate()
+        cfg.eval.validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if m.d_model % m.n_heads:
