@@ -131,21 +131,24 @@ def pass_timings(fn, inputs: list[torch.Tensor], rep_ms: int, graphed: bool = Fa
     """Milliseconds of forward (training mode), backward (retained graph) and forward+backward; with
     `graphed`, each pass is replayed from a CUDA graph."""
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
-    if graphed:  # autograd runs each backward node on its forward's stream: for the backward to be
-        # captured, its forward must have run on the capture stream, i.e. inside a capture itself
-        fwd_replay, outs = cuda_graph(lambda: fn(*leaves))
-    else:
-        outs = fn(*leaves)
+
+    def forward():
+        return fn(*leaves)
+
+    # Autograd runs each backward node on its forward's stream: for the backward to be captured, its
+    # forward must have run on the capture stream, i.e. inside a capture itself.
+    timed_forward, outs = cuda_graph(forward) if graphed else (forward, forward())
     cotangents = [torch.randn_like(o) for o in outs]
-    passes = {
-        "fwd": lambda: fn(*leaves),
-        "bwd": lambda: torch.autograd.grad(outs, leaves, cotangents, retain_graph=True),
-        "fwd+bwd": lambda: torch.autograd.grad(fn(*leaves), leaves, cotangents),
-    }
-    if not graphed:
-        return {name: bench_ms(run, rep_ms) for name, run in passes.items()}
-    replays = {"fwd": fwd_replay, "bwd": cuda_graph(passes["bwd"])[0], "fwd+bwd": cuda_graph(passes["fwd+bwd"])[0]}
-    return {name: bench_ms(replay, rep_ms) for name, replay in replays.items()}
+
+    def backward():
+        return torch.autograd.grad(outs, leaves, cotangents, retain_graph=True)
+
+    def forward_backward():
+        return torch.autograd.grad(forward(), leaves, cotangents)
+
+    timed = (lambda run: cuda_graph(run)[0]) if graphed else (lambda run: run)
+    return {"fwd": bench_ms(timed_forward, rep_ms), "bwd": bench_ms(timed(backward), rep_ms),
+            "fwd+bwd": bench_ms(timed(forward_backward), rep_ms)}
 
 
 def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float, kernels: list[str]) -> list[tuple]:

@@ -56,8 +56,9 @@ def recorded_eval(meta: dict, **given: int | None) -> EvalConfig:
 def evaluate_artifact(artifact: str | Path, val_tokens, lut: ByteLUT, eval_cfg: EvalConfig, *,
                       device: torch.device, rank: int = 0, world_size: int = 1,
                       tokenizer_sha256: str | None = None) -> dict:
-    model, meta = load_model(Path(artifact), device)
-    return score_model(Path(artifact), model, meta, val_tokens, lut, eval_cfg, device=device, rank=rank,
+    artifact = Path(artifact)
+    model, meta = load_model(artifact, device)
+    return score_model(artifact, model, meta, val_tokens, lut, eval_cfg, device=device, rank=rank,
                        world_size=world_size, tokenizer_sha256=tokenizer_sha256)
 
 

@@ -48,11 +48,16 @@ def accumulate(model: Chain, step: int, rank: int) -> None:
         (model(batch(step, rank, micro)) / MICRO).backward()
 
 
-def worker(rank: int, world: int, port: int, out_dir: str, shapes) -> None:
+def join_group(rank: int, world: int, port: int):
+    """This spawned process as rank `rank` of a gloo group, as torchrun's environment would set it up."""
     torch.set_num_threads(1)  # up to 3 processes share 2 cores: oversubscribed OpenMP threads only slow them
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    info = init_distributed("cpu")
+    return init_distributed("cpu")
+
+
+def worker(rank: int, world: int, port: int, out_dir: str, shapes) -> None:
+    info = join_group(rank, world, port)
     try:
         assert (info.rank, info.world_size, world_size(), is_main()) == (rank, world, world, rank == 0)
         model = Chain(shapes)
@@ -123,10 +128,7 @@ def live_thread_names() -> list[str]:
 
 def teardown_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     """A sharded step (async reduce-scatter and all-gather), destroy(), then the threads still alive."""
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    init_distributed("cpu")
+    join_group(rank, world, port)
     model = Chain([(8, 8), (8, 8), (8, 8)])
     opts = build_optimizers(model.param_groups(), CFG)  # constructing an optimizer imports torch._dynamo
     accumulate(model, 0, rank)
