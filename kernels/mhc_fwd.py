@@ -22,18 +22,30 @@ from kernels.mhc_reference import RMS_EPS
 
 
 @triton.jit
+def _tile_start(k, tiles, REVERSE: tl.constexpr):
+    """The k-th channel tile of a pass, counted from the last tile when REVERSE."""
+    if REVERSE:
+        return tiles - 1 - k
+    return k
+
+
+@triton.jit
 def coef_premix_kernel(
     x_ptr, y_ptr, hres_ptr, hpost_ptr,          # apply inputs (y/hres/hpost unused without APPLY)
     phit_ptr, alpha_ptr, bias_ptr,             # phit = phi^T [N, n*C] in the projection's operand dtype
     xnew_ptr, u_ptr, hpost_out_ptr, hres_out_ptr, raw_ptr, rinv_ptr,
     T, C,
     n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr, EPS: tl.constexpr,
-    APPLY: tl.constexpr, APPLY_PASS: tl.constexpr, LOWP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    APPLY: tl.constexpr, APPLY_PASS: tl.constexpr, LOWP: tl.constexpr, ZIGZAG: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr,
 ):
     """LOWP (bf16 streams): the projection x'.phi takes bf16 operands (fp32 accumulate), as the
     reference's matmul does under the model's bf16 autocast. APPLY_PASS: the apply runs as a pass of its
     own over all channels before the projection, so that neither loop holds a barrier (pass 1 otherwise
-    stores, syncs and reloads each channel tile, which keeps its loads from overlapping iterations)."""
+    stores, syncs and reloads each channel tile, which keeps its loads from overlapping iterations).
+    ZIGZAG: the passes over the channels alternate direction (pass 0 backwards, pass 1 forwards, pass 2
+    backwards), so each pass first rereads the tiles the pass before touched last, while they are most likely
+    still in L2. Only the elementwise passes turn around: the projection's sum keeps its order."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
@@ -46,9 +58,10 @@ def coef_premix_kernel(
     else:
         src_ptr = x_ptr
 
+    tiles = tl.cdiv(C, BC)
     if APPLY and APPLY_PASS:  # pass 0: x' for all of this program's channels, then one barrier
-        for c0 in range(0, C, BC):
-            c = c0 + tl.arange(0, BC)
+        for k in range(0, tiles):
+            c = _tile_start(k, tiles, ZIGZAG) * BC + tl.arange(0, BC)
             m2 = tmask[:, None] & (c < C)[None, :]
             y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
             xs = apply_streams(load_streams(x_ptr, row, c, m2, C, n), y, h_res_in, h_post_in, n)
@@ -102,8 +115,8 @@ def coef_premix_kernel(
     h_pre = pre_gates(raw_ptr, alpha_ptr, bias_ptr, t64, tmask, N, n)
 
     # Pass 2: the pre-mix re-reads this program's streams (x' as written in pass 0 or 1, from L2).
-    for c0 in range(0, C, BC):
-        c = c0 + tl.arange(0, BC)
+    for k in range(0, tiles):
+        c = _tile_start(k, tiles, ZIGZAG) * BC + tl.arange(0, BC)
         m2 = tmask[:, None] & (c < C)[None, :]
         xs = load_streams(src_ptr, row, c, m2, C, n)
         u = h_pre[0][:, None] * xs[0]
@@ -129,15 +142,22 @@ def apply_kernel(x_ptr, y_ptr, hres_ptr, hpost_ptr, xnew_ptr, T, C,
 
 # ---------------------------------------------------------------- launchers (make_fx traceable)
 
-def fwd_config(device: torch.device, n: int) -> dict:
-    """Block sizes of coef_premix: tokens per program and channels per pass-1 step. The fastest of
-    scripts/bench_kernels.py mhc --sweep on an H100 (session 8): at n=4 the separate apply pass on 32-token
-    programs, 0.716 ms against 0.739 for 16 tokens without it (in the training step 15.35 against 16.19 ms
-    over 22 calls); at n=2 every APPLY_PASS block was slower (0.371-0.629 ms against 0.326). n=8 is not
-    measured and keeps the plain kernel."""
+def fwd_config(device: torch.device, n: int, apply: bool = True) -> dict:
+    """Block sizes of coef_premix: tokens per program and channels per step, for the launch with the apply
+    (mhc_post_pre, every sublayer but the first) or without it (mhc_pre). The fastest on an H100 (session 11,
+    every pass ZIGZAG; scripts/bench_kernels.py mhc --sweep and .dev-style probes recorded in
+    docs/benchmarks.md):
+      with the apply, n=4: 32 tokens x 128 channels, 0.671-0.677 ms against 0.751-0.761 for session 8's
+        APPLY_PASS block; n=2: 16 x 128, 0.285-0.291 ms against 0.317-0.318 for 16 x 64.
+      without it, n=4: 32 x 64, 0.415 ms against 0.544 for 32 x 128 (whose 128 KB of shared memory leave
+        one program per SM); n=2: 16 x 64, 0.306 ms against 0.315.
+    APPLY_PASS was slower at n=2 on every block, and no faster at n=4 once the passes zigzag. n=8 is not
+    measured and takes n=2's blocks (channel_block caps its tile at 16 channels)."""
     if device.type != "cuda":
         return dict(BT=16, BC=32, num_warps=4)
-    return dict(BT=32, BC=64, num_warps=4, APPLY_PASS=True) if n == 4 else dict(BT=16, BC=64, num_warps=4)
+    if n == 4:
+        return dict(BT=32, BC=128 if apply else 64, num_warps=4)
+    return dict(BT=16, BC=128 if apply else 64, num_warps=4)
 
 
 def launch_coef_premix(launch, x, y, h_res, h_post, phi, alpha, bias, iters: int, cfg: dict | None = None):
@@ -145,9 +165,9 @@ def launch_coef_premix(launch, x, y, h_res, h_post, phi, alpha, bias, iters: int
     (x' or None, u [T, C], h_post' [T, n], h_res' [T, n, n], raw [T, N], inv_rms [T])."""
     T, n, C = x.shape
     check_streams(n, C, "mhc coefficients")
-    cfg = dict(fwd_config(x.device, n) if cfg is None else cfg)
-    N = num_coefficients(n)
     apply = y is not None
+    cfg = dict(fwd_config(x.device, n, apply) if cfg is None else cfg)
+    N = num_coefficients(n)
     f32 = dict(device=x.device, dtype=torch.float32)
     x_new = torch.empty_like(x) if apply else None
     u = torch.empty((T, C), device=x.device, dtype=x.dtype)
@@ -158,13 +178,14 @@ def launch_coef_premix(launch, x, y, h_res, h_post, phi, alpha, bias, iters: int
     BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"), n)
     lowp = cfg.pop("LOWP", x.dtype == torch.bfloat16)
     apply_pass = cfg.pop("APPLY_PASS", False) and apply  # without an apply the two paths are one
+    zigzag = cfg.pop("ZIGZAG", True)
     phit = phi_operand(phi, x.dtype, lowp)
     grid = (triton.cdiv(T, BT),)
     launch(coef_premix_kernel)[grid](
         x, y if apply else x, h_res if apply else raw, h_post if apply else raw,
         phit, alpha, bias, x_new if apply else x, u, h_post_out, h_res_out, raw, rinv,
         T, C, n=n, N=N, NP=padded_columns(n), ITERS=iters, EPS=RMS_EPS, APPLY=apply, APPLY_PASS=apply_pass,
-        LOWP=lowp, BT=BT, BC=BC, **cfg)
+        LOWP=lowp, ZIGZAG=zigzag, BT=BT, BC=BC, **cfg)
     return x_new, u, h_post_out, h_res_out, raw, rinv
 
 

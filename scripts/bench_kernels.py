@@ -1,7 +1,7 @@
 """Kernel benchmarks on a CUDA GPU, one subcommand per kernel family:
 
     python scripts/bench_kernels.py mhc [--tokens 32768 98304] [--n 4] [--C 512] [--rep-ms 200]
-                                        [--sweep [stream_bwd,coef_premix,...]]
+                                        [--sweep [stream_bwd,coef_premix,coef_premix_pre,...]]
                                         [--impls eager,compiled,triton[,triton-graph]] [--profile-once]
     python scripts/bench_kernels.py mlp ...   (scripts/bench_mlp.py: its own flags)
 
@@ -40,15 +40,29 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     # 96 the same as at its own 128 (session 7); stream_bwd loading each channel tile an iteration ahead (a
     # loop-carried tile): 1.42 ms against 1.04 at n=4, and at n=2 slower than the wide tile without it (session 7).
     # The first row is the n=4 default; kernels/mhc_fwd.py and kernels/mhc_bwd.py pick coef_premix's and
-    # stream_bwd's defaults per n.
+    # stream_bwd's defaults per n (coef_premix's also by whether the launch applies a sublayer first).
     # APPLY_PASS (kernels/mhc_fwd.py): the apply in a loop of its own, then a projection loop with no barrier.
     # Dropped on an H100 (session 8, n=4 / n=2 ms): BT=16/BC=128 (0.941 / 0.371), 8 warps (1.200 / 0.629),
     # num_stages=4 (0.821 / 0.387) and BT=32/BC=32 (0.848 / 0.470), against 0.716 / 0.326 for the defaults.
-    "coef_premix": [dict(BT=32, BC=64, num_warps=4, APPLY_PASS=True), dict(BT=16, BC=64, num_warps=4),
+    # ZIGZAG=False (every pass in channel order): on an H100 (session 11) 0.780 / 0.772 ms at n=4 for session 8's
+    # two default rows (APPLY_PASS 32/64, plain 16/64) against 0.751 / 0.730 with it (ncu: L2 hit rate 38% ->
+    # 50%, DRAM bytes 1.78 -> 1.48 GB); no change at n=2 (0.315 / 0.317).
+    # Session 11, n=4 (ms, two runs): 32/128/4 warps 0.671-0.673 (the default now), 32/64 APPLY_PASS 0.751-0.756
+    # (session 8's default), 16/64 0.727-0.730, 16/128 0.731-0.734; 64/128 on 4 warps 1.351, 32/128 on 8 warps
+    # 0.785, 32/128 APPLY_PASS 0.941, 64/128 on 8 warps 0.776 (dropped). n=2: 16/128 0.289-0.291 (the default),
+    # 16/256 0.285 (channel_block caps n=4 at 128), 32/128 0.295, 16/64 0.317, 16/128 on 8 warps 0.343.
+    "coef_premix": [dict(BT=32, BC=128, num_warps=4), dict(BT=16, BC=128, num_warps=4),
+                    dict(BT=32, BC=64, num_warps=4, APPLY_PASS=True), dict(BT=16, BC=64, num_warps=4),
                     dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=2),
-                    dict(BT=16, BC=64, num_warps=4, APPLY_PASS=True),
-                    # for n=2 (62% of copy bandwidth at 16/64/4 warps): wider tiles, fewer warps; not timed yet
-                    dict(BT=16, BC=128, num_warps=4), dict(BT=16, BC=64, num_warps=2)],
+                    dict(BT=16, BC=64, num_warps=4, APPLY_PASS=True), dict(BT=16, BC=64, num_warps=2),
+                    dict(BT=32, BC=64, num_warps=4, APPLY_PASS=True, ZIGZAG=False),
+                    dict(BT=16, BC=256, num_warps=4), dict(BT=32, BC=128, num_warps=8)],
+    # coef_premix without the apply (mhc_pre, the first sublayer: x in, u out); the first row is n=4's default,
+    # the second n=2's. Session 11 (H100, ms, n=4 / n=2): 32/64 0.415 / -, 16/64 0.596 / 0.306, 32/128 0.544
+    # (128 KB of shared memory: one program per SM) / -, 16/128 0.746 / 0.315.
+    "coef_premix_pre": [dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=64, num_warps=4),
+                        dict(BT=32, BC=128, num_warps=4), dict(BT=16, BC=128, num_warps=4),
+                        dict(BT=32, BC=64, num_warps=8), dict(BT=64, BC=64, num_warps=4)],
     "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
                  dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
     # GP_SCRATCH (G phi^T through the dx tile, kernels/mhc_bwd.py) takes n=4 from 255 registers to 159-172 at
@@ -166,6 +180,8 @@ def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float, kernels
     runs = {
         "coef_premix": (lambda cfg: launch_coef_premix(direct, x, y, h_res, h_post, phi, alpha, bias, 20, cfg),
                         (2 * n + 2) * C * 2),
+        "coef_premix_pre": (lambda cfg: launch_coef_premix(direct, x, None, None, None, phi, alpha, bias, 20, cfg),
+                            (n + 1) * C * 2),
         "coef_bwd": (lambda cfg: launch_coef_bwd(direct, x_new, du, dhp, dhr, raw, rinv, alpha, bias, 20, cfg),
                      (n + 1) * C * 2),
         "stream_bwd": (lambda cfg: launch_stream_bwd(direct, x, y, h_res, h_post, dxo, du, aux, phi, cfg),
@@ -192,7 +208,8 @@ def default_configs(n: int) -> dict[str, dict]:
     from kernels.mhc_bwd import coef_bwd_config, dphi_config, stream_bwd_config
     from kernels.mhc_fwd import fwd_config
     gpu = torch.device("cuda")
-    return {"coef_premix": fwd_config(gpu, n), "coef_bwd": coef_bwd_config(gpu),
+    return {"coef_premix": fwd_config(gpu, n), "coef_premix_pre": fwd_config(gpu, n, apply=False),
+            "coef_bwd": coef_bwd_config(gpu),
             "stream_bwd": stream_bwd_config(gpu, n), "dphi": dphi_config(gpu)}
 
 

@@ -122,7 +122,7 @@ def unit_launches(T: int, n: int, C: int, configs: dict) -> list[tuple]:
     rec = Recorder()
     x_new, u, hp, hr, raw, rinv = launch_coef_premix(rec, x, y, h_res, h_post, phi, alpha, bias, 20,
                                                      configs["coef_premix"])
-    launch_coef_premix(rec, x, None, None, None, phi, alpha, bias, 20, configs["coef_premix"])
+    launch_coef_premix(rec, x, None, None, None, phi, alpha, bias, 20, configs["coef_premix_pre"])
     aux, _, _ = launch_coef_bwd(rec, x_new, u, hp, hr, raw, rinv, alpha, bias, 20, configs["coef_bwd"])
     launch_stream_bwd(rec, x, y, h_res, h_post, x, u, aux, phi, configs["stream_bwd"])      # apply + coefficients
     launch_stream_bwd(rec, x, None, None, None, None, u, aux, phi, configs["stream_bwd"])   # coefficients (pre)

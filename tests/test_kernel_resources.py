@@ -71,8 +71,9 @@ def test_every_kernel_of_a_unit_compiles_for_sm90_and_reports_its_resources():
 
 @pytest.mark.parametrize("n", [4, 2])
 def test_sweep_plans_launch_each_row_as_the_benchmark_does(n):
-    """Each SWEEP row replaces its kernel's default whole: the n=4 coef_premix default (APPLY_PASS) and
-    the n=2 stream_bwd default (GP_SCRATCH) must not switch those paths on in rows that leave them off."""
+    """Each SWEEP row replaces its kernel's default whole: the n=2 stream_bwd default (GP_SCRATCH) must not
+    switch that path on in rows that leave it off. coef_premix's launch without the apply takes its own
+    default and rows (coef_premix_pre)."""
     from scripts.bench_kernels import SWEEP
     plans = KR.launch_plans(n, sweep=True)
     assert plans[0] == KR.default_configs(n)

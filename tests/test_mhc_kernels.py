@@ -146,8 +146,9 @@ def test_dphi_kernel_is_xT_G_for_any_shape(n, C, T, cfg):
 @pytest.mark.parametrize("n", [4, 2])
 def test_gpu_block_sizes_compute_what_the_cpu_ones_do(n):
     """The GPU defaults (block shapes the interpreter tests do not otherwise use: stream_bwd's 32 tokens x
-    16 channels at n=4 and 16 x 64 through the GP_SCRATCH path at n=2, coef_premix's APPLY_PASS at n=4,
-    coef_bwd's 128-token programs) give the CPU defaults' results, tokens and channels partial."""
+    16 channels at n=4 and 16 x 64 through the GP_SCRATCH path at n=2, coef_premix's 128-channel tiles with
+    the apply and 64-channel ones without it, coef_bwd's 128-token programs) give the CPU defaults' results,
+    tokens and channels partial (C=48 is less than one tile)."""
     from kernels.mhc_bwd import (coef_bwd_config, dphi_config, launch_coef_bwd, launch_dphi, launch_stream_bwd,
                                  stream_bwd_config)
     from kernels.mhc_fwd import fwd_config, launch_coef_premix
@@ -164,11 +165,28 @@ def test_gpu_block_sizes_compute_what_the_cpu_ones_do(n):
         aux, dalpha, dbias = launch_coef_bwd(direct, x_new, du, dhp, dhr, raw, rinv, alpha, bias, 20,
                                              coef_bwd_config(device))
         streams = launch_stream_bwd(direct, x, y, h_res, h_post, dxo, du, aux, phi, stream_bwd_config(device, n))
-        return [*fwd, aux, dalpha, dbias, *streams, launch_dphi(direct, x_new, aux, dphi_config(device))]
+        pre = launch_coef_premix(direct, x, None, None, None, phi, alpha, bias, 20, fwd_config(device, n, apply=False))
+        return [*fwd, aux, dalpha, dbias, *streams, launch_dphi(direct, x_new, aux, dphi_config(device)), *pre[1:]]
 
     gpu, cpu = unit(torch.device("cuda")), unit(torch.device("cpu"))
     for i, (a, b) in enumerate(zip(gpu, cpu)):
         assert a.shape == b.shape and rel(a, b) < 1e-5, f"result {i}: rel err {rel(a, b):.2e}"
+
+
+@interpreted
+def test_coef_premix_default_block_follows_the_apply(monkeypatch):
+    """Without a config, launch_coef_premix asks fwd_config for the block of its own launch: with the apply
+    (mhc_post_pre) or without it (mhc_pre), whose fastest GPU blocks differ at n=4."""
+    from kernels import mhc_fwd
+    assert mhc_fwd.fwd_config(torch.device("cuda"), 4) != mhc_fwd.fwd_config(torch.device("cuda"), 4, apply=False)
+    asked, real = [], mhc_fwd.fwd_config
+    monkeypatch.setattr(mhc_fwd, "fwd_config", lambda device, n, apply=True: asked.append(apply) or real(device, n, apply))
+    inp = make_inputs(4, 48, (5,))
+    x, y, h_res, h_post, phi, alpha, bias = (inp[k] for k in ("x", "y", "h_res", "h_post", "phi", "alpha", "bias"))
+    direct = lambda kernel: kernel  # noqa: E731
+    mhc_fwd.launch_coef_premix(direct, x, y, h_res, h_post, phi, alpha, bias, 20)
+    mhc_fwd.launch_coef_premix(direct, x, None, None, None, phi, alpha, bias, 20)
+    assert asked == [True, False]
 
 
 def stream_bwd_args(n, C, lead, device="cpu", dtype=torch.float32):
@@ -209,20 +227,23 @@ def test_stream_bwd_gp_scratch_gives_the_same_gradients(n):
 
 @interpreted
 @pytest.mark.parametrize("n", [4, 2])
-def test_coef_premix_apply_pass_gives_the_same_results(n):
+def test_coef_premix_apply_pass_and_zigzag_give_the_same_results(n):
     """APPLY_PASS writes x' for all channels before the projection pass reads it back; the plain kernel
     writes and rereads it tile by tile. Both project the stored x', so in fp32 every output is the same bit
-    for bit, with a partial channel tile (C=48 in 32-channel tiles) and a partial token block (37 in 16)."""
+    for bit, with a partial channel tile (C=48 in 32-channel tiles) and a partial token block (37 in 16).
+    ZIGZAG (the default) turns only the elementwise passes around, so it changes no bit either."""
     from kernels.mhc_fwd import launch_coef_premix
     inp = make_inputs(n, 48, (37,))
     x, y, h_res, h_post, phi, alpha, bias = (inp[k] for k in ("x", "y", "h_res", "h_post", "phi", "alpha", "bias"))
     direct = lambda kernel: kernel  # noqa: E731
+    variants = [dict(APPLY_PASS=True), dict(ZIGZAG=False), dict(APPLY_PASS=True, ZIGZAG=False)]
     for ys in ((y, h_res, h_post), (None, None, None)):
         plain = launch_coef_premix(direct, x, *ys, phi, alpha, bias, 20, dict(BT=16, BC=32, num_warps=4))
-        split = launch_coef_premix(direct, x, *ys, phi, alpha, bias, 20,
-                                   dict(BT=16, BC=32, num_warps=4, APPLY_PASS=True))
-        for i, (a, b) in enumerate(zip(split, plain)):
-            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"output {i}, apply={ys[0] is not None}"
+        for variant in variants:
+            other = launch_coef_premix(direct, x, *ys, phi, alpha, bias, 20, dict(BT=16, BC=32, num_warps=4, **variant))
+            for i, (a, b) in enumerate(zip(other, plain)):
+                assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), \
+                    f"{variant}, output {i}, apply={ys[0] is not None}"
 
 
 @interpreted
@@ -425,20 +446,21 @@ def test_gpu_stream_bwd_gp_scratch_matches_the_plain_kernel(n):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n", [4, 2])
-def test_gpu_coef_premix_apply_pass_matches_the_plain_kernel(n):
-    """Every APPLY_PASS block of SWEEP gives the plain kernel's forward outputs on the GPU, where pass 1
-    depends on the barrier after pass 0 (threads read back x' that other threads wrote)."""
-    from kernels.mhc_fwd import fwd_config, launch_coef_premix
+def test_gpu_coef_premix_blocks_match_the_plain_kernel(n):
+    """Every coef_premix block of SWEEP (the defaults among them) gives the plain 16 x 64 kernel's forward
+    outputs on the GPU, with the apply and without it: APPLY_PASS's pass 1 depends on the barrier after pass 0
+    (threads read back x' that other threads wrote), and the wide defaults run near 255 registers."""
+    from kernels.mhc_fwd import launch_coef_premix
     from scripts.bench_kernels import SWEEP
     inp = make_inputs(n, 512, (3001,), "cuda", torch.bfloat16)
-    args = [inp[k] for k in ("x", "y", "h_res", "h_post", "phi", "alpha", "bias")]
+    x, y, h_res, h_post, phi, alpha, bias = (inp[k] for k in ("x", "y", "h_res", "h_post", "phi", "alpha", "bias"))
     direct = lambda kernel: kernel  # noqa: E731
-    plain = launch_coef_premix(direct, *args, 20, dict(fwd_config(args[0].device, n), APPLY_PASS=False))
-    configs = [cfg for cfg in SWEEP["coef_premix"] if cfg.get("APPLY_PASS")]
-    assert configs
-    for cfg in configs:
-        for i, (a, b) in enumerate(zip(launch_coef_premix(direct, *args, 20, dict(cfg)), plain)):
-            assert rel(a, b) < 1e-3, f"{cfg}, output {i}: rel err {rel(a, b):.2e}"
+    for rows, ys in ((SWEEP["coef_premix"], (y, h_res, h_post)), (SWEEP["coef_premix_pre"], (None, None, None))):
+        plain = launch_coef_premix(direct, x, *ys, phi, alpha, bias, 20, dict(BT=16, BC=64, num_warps=4))
+        for cfg in rows:
+            for i, (a, b) in enumerate(zip(launch_coef_premix(direct, x, *ys, phi, alpha, bias, 20, dict(cfg)), plain)):
+                assert (a is None) == (b is None) and (a is None or rel(a, b) < 1e-3), \
+                    f"{cfg}, apply={ys[0] is not None}, output {i}: rel err {rel(a, b):.2e}"
 
 
 @pytest.mark.gpu
@@ -459,11 +481,14 @@ def test_gpu_cuda_graph_replays_the_passes_it_times():
     benchmark does it: on the outputs of a captured forward (autograd runs it on the forward's stream)."""
     from kernels import mhc as K
     from scripts.bench_kernels import cuda_graph, main, make_inputs
-    leaves = [t.detach().clone().requires_grad_() for t in make_inputs(3000, 4, 512)]
-    eager_outs = K.mhc_post_pre(*leaves)
+    inputs = make_inputs(3000, 4, 512)
+    # Separate leaves for the eager reference: autograd syncs with the stream a leaf was first used on, and a
+    # leaf used eagerly on the default stream makes the captured backward wait on that stream (a capture error).
+    eager_leaves, leaves = ([t.detach().clone().requires_grad_() for t in inputs] for _ in range(2))
+    eager_outs = K.mhc_post_pre(*eager_leaves)
     fwd_replay, outs = cuda_graph(lambda: K.mhc_post_pre(*leaves))
     cotangents = [torch.randn_like(o) for o in outs]
-    eager = torch.autograd.grad(outs, leaves, cotangents, retain_graph=True)
+    eager = torch.autograd.grad(eager_outs, eager_leaves, cotangents, retain_graph=True)
     bwd_replay, grads = cuda_graph(lambda: torch.autograd.grad(outs, leaves, cotangents, retain_graph=True))
     with torch.no_grad():
         for t in [*outs, *grads]:
