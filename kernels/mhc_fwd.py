@@ -145,19 +145,18 @@ def apply_kernel(x_ptr, y_ptr, hres_ptr, hpost_ptr, xnew_ptr, T, C,
 def fwd_config(device: torch.device, n: int, apply: bool = True) -> dict:
     """Block sizes of coef_premix: tokens per program and channels per step, for the launch with the apply
     (mhc_post_pre, every sublayer but the first) or without it (mhc_pre). The fastest on an H100 (session 11,
-    every pass ZIGZAG; scripts/bench_kernels.py mhc --sweep and .dev-style probes recorded in
-    docs/benchmarks.md):
-      with the apply, n=4: 32 tokens x 128 channels, 0.671-0.677 ms against 0.751-0.761 for session 8's
-        APPLY_PASS block; n=2: 16 x 128, 0.285-0.291 ms against 0.317-0.318 for 16 x 64.
-      without it, n=4: 32 x 64, 0.415 ms against 0.544 for 32 x 128 (whose 128 KB of shared memory leave
-        one program per SM); n=2: 16 x 64, 0.306 ms against 0.315.
+    every pass ZIGZAG; `scripts/bench_kernels.py mhc --sweep coef_premix,coef_premix_pre`, docs/benchmarks.md):
+      with the apply, n=4: 32 tokens x 128 channels, 0.671-0.673 ms against 0.751-0.756 for session 8's
+        APPLY_PASS block; n=2: 16 x 128, 0.289-0.291 ms against 0.317 for 16 x 64.
+      without it, 64 tokens x 64 channels at both n: n=4 0.337 ms against 0.421 for 32 x 64 and 0.544 for
+        32 x 128 (whose 128 KB of shared memory leave one program per SM); n=2 0.194 against 0.307 for 16 x 64.
     APPLY_PASS was slower at n=2 on every block, and no faster at n=4 once the passes zigzag. n=8 is not
     measured and takes n=2's blocks (channel_block caps its tile at 16 channels)."""
     if device.type != "cuda":
         return dict(BT=16, BC=32, num_warps=4)
-    if n == 4:
-        return dict(BT=32, BC=128 if apply else 64, num_warps=4)
-    return dict(BT=16, BC=128 if apply else 64, num_warps=4)
+    if not apply:
+        return dict(BT=64, BC=64, num_warps=4)
+    return dict(BT=32 if n == 4 else 16, BC=128, num_warps=4)
 
 
 def launch_coef_premix(launch, x, y, h_res, h_post, phi, alpha, bias, iters: int, cfg: dict | None = None):

@@ -57,12 +57,15 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
                     dict(BT=16, BC=64, num_warps=4, APPLY_PASS=True), dict(BT=16, BC=64, num_warps=2),
                     dict(BT=32, BC=64, num_warps=4, APPLY_PASS=True, ZIGZAG=False),
                     dict(BT=16, BC=256, num_warps=4), dict(BT=32, BC=128, num_warps=8)],
-    # coef_premix without the apply (mhc_pre, the first sublayer: x in, u out); the first row is n=4's default,
-    # the second n=2's. Session 11 (H100, ms, n=4 / n=2): 32/64 0.415 / -, 16/64 0.596 / 0.306, 32/128 0.544
-    # (128 KB of shared memory: one program per SM) / -, 16/128 0.746 / 0.315.
-    "coef_premix_pre": [dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=64, num_warps=4),
-                        dict(BT=32, BC=128, num_warps=4), dict(BT=16, BC=128, num_warps=4),
-                        dict(BT=32, BC=64, num_warps=8), dict(BT=64, BC=64, num_warps=4)],
+    # coef_premix without the apply (mhc_pre, the first sublayer: x in, u out); the first row is the default at
+    # every n. Session 11 (H100, ms, n=4 / n=2): 64/64 0.337 / 0.194, 32/64 0.415-0.421 / 0.202, 16/64
+    # 0.596-0.599 / 0.306-0.307, 32/128 0.544 (128 KB of shared memory: one program per SM) / 0.211, 16/128
+    # 0.743-0.746 / 0.314-0.315, 32/64 on 8 warps 0.685 / 0.308.
+    "coef_premix_pre": [dict(BT=64, BC=64, num_warps=4), dict(BT=32, BC=64, num_warps=4),
+                        dict(BT=16, BC=64, num_warps=4), dict(BT=32, BC=128, num_warps=4),
+                        dict(BT=16, BC=128, num_warps=4), dict(BT=32, BC=64, num_warps=8),
+                        # wider still (not timed yet)
+                        dict(BT=128, BC=64, num_warps=4), dict(BT=64, BC=64, num_warps=8), dict(BT=64, BC=32, num_warps=4)],
     "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
                  dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
     # GP_SCRATCH (G phi^T through the dx tile, kernels/mhc_bwd.py) takes n=4 from 255 registers to 159-172 at
