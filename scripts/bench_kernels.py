@@ -50,13 +50,13 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     # Session 11, n=4 (ms, two runs): 32/128/4 warps 0.671-0.673 (the default now), 32/64 APPLY_PASS 0.751-0.756
     # (session 8's default), 16/64 0.727-0.730, 16/128 0.731-0.734; 64/128 on 4 warps 1.351, 32/128 on 8 warps
     # 0.785, 32/128 APPLY_PASS 0.941, 64/128 on 8 warps 0.776 (dropped). n=2: 16/128 0.289-0.291 (the default),
-    # 16/256 0.285 (channel_block caps n=4 at 128), 32/128 0.295, 16/64 0.317, 16/128 on 8 warps 0.343.
+    # 16/256 0.285 (channel_block caps n=4 at 128), 32/128 0.295, 16/64 0.317, 16/128 on 8 warps 0.343 (dropped).
     "coef_premix": [dict(BT=32, BC=128, num_warps=4), dict(BT=16, BC=128, num_warps=4),
                     dict(BT=32, BC=64, num_warps=4, APPLY_PASS=True), dict(BT=16, BC=64, num_warps=4),
                     dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=2),
                     dict(BT=16, BC=64, num_warps=4, APPLY_PASS=True), dict(BT=16, BC=64, num_warps=2),
                     dict(BT=32, BC=64, num_warps=4, APPLY_PASS=True, ZIGZAG=False),
-                    dict(BT=16, BC=256, num_warps=4), dict(BT=32, BC=128, num_warps=8)],
+                    dict(BT=16, BC=256, num_warps=4)],
     # coef_premix without the apply (mhc_pre, the first sublayer: x in, u out); the first row is the default at
     # every n. Session 11 (H100, ms, n=4 / n=2): 64/64 0.337 / 0.194, 32/64 0.415-0.421 / 0.202, 16/64
     # 0.596-0.599 / 0.306-0.307, 32/128 0.544 (128 KB of shared memory: one program per SM) / 0.211, 16/128
