@@ -5,8 +5,9 @@ Streams are [T, n, C] (T tokens, contiguous); coefficients are fp32. Two kernels
     streams x' the projection x'.phi fused with the sum of squares, the gates, Sinkhorn, and the
     pre-mix u = sum_i H_pre[i] x'_i. One program owns BT tokens and all n*C of their channels:
     pass 1 streams the channels once (feeding the apply, the dot and the sum of squares); pass 2
-    re-reads x' for the pre-mix while it is still in L2. With APPLY_PASS (the n=4 default on a GPU)
-    the apply is a pass 0 of its own and pass 1 reads x' back from L2.
+    re-reads x' for the pre-mix. With APPLY_PASS (off in every default, see fwd_config) the apply is a
+    pass 0 of its own and pass 1 reads x' back. ZIGZAG (on by default) turns the elementwise passes
+    around so that each reread starts where the pass before ended, on the tiles most likely still in L2.
   apply: x' = H_res x + H_post y alone (the last sublayer, which has no next coefficients).
 """
 from __future__ import annotations
@@ -151,11 +152,12 @@ def fwd_config(device: torch.device, n: int, apply: bool = True) -> dict:
       without it, 64 tokens x 64 channels at both n: n=4 0.337 ms against 0.421 for 32 x 64 and 0.544 for
         32 x 128 (whose 128 KB of shared memory leave one program per SM); n=2 0.194 against 0.307 for 16 x 64.
     APPLY_PASS was slower at n=2 on every block, and no faster at n=4 once the passes zigzag. n=8 is not
-    measured and takes n=2's blocks (channel_block caps its tile at 16 channels)."""
+    measured: with the apply it takes n=2's block, without it 16-token programs (channel_block caps its
+    tile at 16 channels, and 64-token programs would need 128 KB of shared memory: scripts/kernel_resources.py --n 8)."""
     if device.type != "cuda":
         return dict(BT=16, BC=32, num_warps=4)
-    if not apply:
-        return dict(BT=64, BC=64, num_warps=4)
+    if not apply:  # n=8 keeps the 16-token programs it had (its channel tile is 16 wide)
+        return dict(BT=64 if n <= 4 else 16, BC=64, num_warps=4)
     return dict(BT=32 if n == 4 else 16, BC=128, num_warps=4)
 
 

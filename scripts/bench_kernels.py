@@ -43,10 +43,10 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     # stream_bwd's defaults per n (coef_premix's also by whether the launch applies a sublayer first).
     # APPLY_PASS (kernels/mhc_fwd.py): the apply in a loop of its own, then a projection loop with no barrier.
     # Dropped on an H100 (session 8, n=4 / n=2 ms): BT=16/BC=128 (0.941 / 0.371), 8 warps (1.200 / 0.629),
-    # num_stages=4 (0.821 / 0.387) and BT=32/BC=32 (0.848 / 0.470), against 0.716 / 0.326 for the defaults.
+    # num_stages=4 (0.821 / 0.387) and BT=32/BC=32 (0.848 / 0.470), against 0.716 / 0.326 for session 8's defaults.
     # ZIGZAG=False (every pass in channel order): on an H100 (session 11) 0.780 / 0.772 ms at n=4 for session 8's
     # two default rows (APPLY_PASS 32/64, plain 16/64) against 0.751 / 0.730 with it (ncu: L2 hit rate 38% ->
-    # 50%, DRAM bytes 1.78 -> 1.48 GB); no change at n=2 (0.315 / 0.317).
+    # 50%, DRAM bytes 1.78 -> 1.48 GB); no change at n=2 (16/64: 0.315 without, 0.317 with).
     # Session 11, n=4 (ms, two runs): 32/128/4 warps 0.671-0.673 (the default now), 32/64 APPLY_PASS 0.751-0.756
     # (session 8's default), 16/64 0.727-0.730, 16/128 0.731-0.734; 64/128 on 4 warps 1.351, 32/128 on 8 warps
     # 0.785, 32/128 APPLY_PASS 0.941, 64/128 on 8 warps 0.776 (dropped). n=2: 16/128 0.289-0.291 (the default),
@@ -318,10 +318,10 @@ def mhc_main(argv: list[str]) -> list[dict]:
     if args.sweep:
         print(f"\nper-kernel block sweep at {max(args.tokens)} tokens (% of copy bandwidth on the kernel's own "
               "stream bytes)")
-        print(f"{'kernel':<12} {'config':<40} {'ms':>8} {'% copy':>7}")
+        print(f"{'kernel':<16} {'config':<40} {'ms':>8} {'% copy':>7}")
         swept = sweep_rows(make_inputs(max(args.tokens), n, C), args.rep_ms, copy_bps, args.sweep)
         for name, cfg, ms, pct in swept:
-            print(f"{name:<12} {cfg:<40} {ms:8.3f} {pct:6.1f}%")
+            print(f"{name:<16} {cfg:<40} {ms:8.3f} {pct:6.1f}%")
         print("\n".join(sweep_summary(swept, default_blocks(n))))
     print(f"\nmhc_post_pre, one sublayer pair: time, floor bytes / time, and floor time / time")
     print(f"{'tokens':>7} {'implementation':<20} {'pass':<8} {'ms':>8} {'GB/s':>7} {'% floor':>8}")

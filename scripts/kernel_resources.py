@@ -143,8 +143,8 @@ def describe(kwargs: dict) -> str:
 def launch_plans(n: int, sweep: bool) -> list[dict]:
     """Block configurations per kernel for each unit to compile: the defaults, then (with sweep) the
     defaults with one kernel's configuration replaced by a SWEEP row, as bench_kernels.py launches it.
-    The row replaces the default whole (a default's switches such as APPLY_PASS or GP_SCRATCH must not
-    leak into rows that leave them off), except coef_bwd's TOKENS: its launcher would read that default
+    The row replaces the default whole (a default's switch such as n=2's GP_SCRATCH must not leak into
+    rows that leave it off), except coef_bwd's TOKENS: its launcher would read that default
     from the device, and here the device is `meta`."""
     default = default_configs(n)
     plans = [default]

@@ -83,6 +83,18 @@ def test_sweep_plans_launch_each_row_as_the_benchmark_does(n):
         assert launched == [tokens | cfg for cfg in configs], name
 
 
+def test_the_launch_without_the_apply_takes_its_own_block():
+    """A unit's two coef_premix launches compile with their own defaults (mhc_post_pre's and mhc_pre's)."""
+    from kernels.mhc_fwd import fwd_config
+    gpu = torch.device("cuda")
+    for n in (4, 2):
+        launches = KR.unit_launches(256, n, 512, KR.launch_plans(n, sweep=False)[0])
+        premix = [kw for kernel, _, kw in launches if KR.kernel_name(kernel) == "coef_premix_kernel"]
+        assert [(kw["APPLY"], kw["BT"], kw["BC"]) for kw in premix] == [
+            (True, fwd_config(gpu, n)["BT"], fwd_config(gpu, n)["BC"]),
+            (False, fwd_config(gpu, n, apply=False)["BT"], fwd_config(gpu, n, apply=False)["BC"])], n
+
+
 def test_interpreted_kernels_and_bad_arguments_are_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(SystemExit, match="TRITON_INTERPRET=1"):

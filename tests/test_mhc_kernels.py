@@ -19,6 +19,17 @@ from kernels import mhc_reference as R  # noqa: E402
 interpreted = pytest.mark.skipif(not (K.HAVE_TRITON and K.INTERPRET),
                                  reason="needs the Triton interpreter (TRITON_INTERPRET=1, no CUDA)")
 
+if K.HAVE_TRITON:  # a kernel that writes the order in which a ZIGZAG pass visits its tiles
+    import triton  # noqa: E402
+    import triton.language as tl  # noqa: E402
+
+    from kernels.mhc_fwd import _tile_start  # noqa: E402
+
+    @triton.jit
+    def tile_order_kernel(out_ptr, tiles, REVERSE: tl.constexpr):
+        for k in range(0, tiles):
+            tl.store(out_ptr + k, _tile_start(k, tiles, REVERSE))
+
 # (n, C, leading token dims): token counts not divisible by the blocks, C not a power of two.
 SHAPES = [(4, 48, (37,)), (2, 96, (2, 11)), (8, 48, (17,))]
 
@@ -176,9 +187,10 @@ def test_gpu_block_sizes_compute_what_the_cpu_ones_do(n):
 @interpreted
 def test_coef_premix_default_block_follows_the_apply(monkeypatch):
     """Without a config, launch_coef_premix asks fwd_config for the block of its own launch: with the apply
-    (mhc_post_pre) or without it (mhc_pre), whose fastest GPU blocks differ at n=4."""
+    (mhc_post_pre) or without it (mhc_pre), whose fastest GPU blocks differ."""
     from kernels import mhc_fwd
-    assert mhc_fwd.fwd_config(torch.device("cuda"), 4) != mhc_fwd.fwd_config(torch.device("cuda"), 4, apply=False)
+    for n in (4, 2):
+        assert mhc_fwd.fwd_config(torch.device("cuda"), n) != mhc_fwd.fwd_config(torch.device("cuda"), n, apply=False)
     asked, real = [], mhc_fwd.fwd_config
     monkeypatch.setattr(mhc_fwd, "fwd_config", lambda device, n, apply=True: asked.append(apply) or real(device, n, apply))
     inp = make_inputs(4, 48, (5,))
@@ -187,6 +199,17 @@ def test_coef_premix_default_block_follows_the_apply(monkeypatch):
     mhc_fwd.launch_coef_premix(direct, x, y, h_res, h_post, phi, alpha, bias, 20)
     mhc_fwd.launch_coef_premix(direct, x, None, None, None, phi, alpha, bias, 20)
     assert asked == [True, False]
+
+
+@interpreted
+def test_zigzag_tile_order_runs_backwards_when_asked():
+    """coef_premix's ZIGZAG passes take their tiles from _tile_start; its outputs cannot show the order (the
+    turned passes are elementwise), so the order itself is checked: every tile once, backwards when asked."""
+    for tiles in (1, 2, 5):
+        for reverse, expect in ((False, list(range(tiles))), (True, list(range(tiles))[::-1])):
+            out = torch.full((tiles,), -1, dtype=torch.int32)
+            tile_order_kernel[(1,)](out, tiles, REVERSE=reverse)
+            assert out.tolist() == expect, (tiles, reverse)
 
 
 def stream_bwd_args(n, C, lead, device="cpu", dtype=torch.float32):
@@ -399,6 +422,7 @@ def test_bench_sweep_summary_compares_the_fastest_block_with_this_ns_default(n):
     defaults = default_blocks(n)
     for name, configs in SWEEP.items():  # every default is a SWEEP row, so every sweep can compare with it
         assert defaults[name] in configs, name
+        assert configs[0] == default_blocks(4)[name], f"{name}: SWEEP's first row is the n=4 default"
     text = lambda cfg: ",".join(f"{k}={v}" for k, v in cfg.items())  # noqa: E731
     rows = [("stream_bwd", text(cfg), 1.0 + i, 50.0) for i, cfg in enumerate(SWEEP["stream_bwd"])]
     default_ms = 1.0 + SWEEP["stream_bwd"].index(defaults["stream_bwd"])
