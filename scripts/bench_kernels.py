@@ -64,8 +64,8 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     "coef_premix_pre": [dict(BT=64, BC=64, num_warps=4), dict(BT=32, BC=64, num_warps=4),
                         dict(BT=16, BC=64, num_warps=4), dict(BT=32, BC=128, num_warps=4),
                         dict(BT=16, BC=128, num_warps=4), dict(BT=32, BC=64, num_warps=8),
-                        # wider still (not timed yet)
-                        dict(BT=128, BC=64, num_warps=4), dict(BT=64, BC=64, num_warps=8), dict(BT=64, BC=32, num_warps=4)],
+                        # around the default (not timed yet; 128 tokens would need ~180 KB of shared memory)
+                        dict(BT=64, BC=64, num_warps=8), dict(BT=64, BC=32, num_warps=4)],
     "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
                  dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
     # GP_SCRATCH (G phi^T through the dx tile, kernels/mhc_bwd.py) takes n=4 from 255 registers to 159-172 at
