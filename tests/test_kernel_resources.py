@@ -90,9 +90,9 @@ def test_the_launch_without_the_apply_takes_its_own_block():
     for n in (4, 2):
         launches = KR.unit_launches(256, n, 512, KR.launch_plans(n, sweep=False)[0])
         premix = [kw for kernel, _, kw in launches if KR.kernel_name(kernel) == "coef_premix_kernel"]
-        assert [(kw["APPLY"], kw["BT"], kw["BC"]) for kw in premix] == [
-            (True, fwd_config(gpu, n)["BT"], fwd_config(gpu, n)["BC"]),
-            (False, fwd_config(gpu, n, apply=False)["BT"], fwd_config(gpu, n, apply=False)["BC"])], n
+        expect = [(apply, fwd_config(gpu, n, apply)) for apply in (True, False)]
+        assert [(kw["APPLY"], kw["BT"], kw["BC"]) for kw in premix] == \
+            [(apply, cfg["BT"], cfg["BC"]) for apply, cfg in expect], n
 
 
 def test_interpreted_kernels_and_bad_arguments_are_refused(monkeypatch):
