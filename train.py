@@ -87,9 +87,7 @@ def main(argv=None) -> dict:
     loader = TokenLoader(list_shards(cfg.data.train_files), cfg.data.seq_len, cfg.train.micro_batch_seqs,
                          rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed,
                          shards_per_batch=cfg.data.shards_per_batch, prefetch=cfg.data.prefetch, device=device)
-    val_tokens = load_tokens(list_shards(cfg.data.val_files))
-    if cfg.eval.max_tokens:
-        val_tokens = val_tokens[:cfg.eval.max_tokens]
+    val_tokens = load_tokens(list_shards(cfg.data.val_files), cfg.eval.max_tokens)
     lut = build_byte_lut(cfg.data.tokenizer)
     if len(lut.base_bytes) != cfg.model.vocab_size:
         raise SystemExit(f"{cfg.data.tokenizer} has {len(lut.base_bytes)} ids but model.vocab_size="

@@ -269,11 +269,21 @@ class TokenLoader:
         self.close()
 
 
-def load_tokens(files: list[str]) -> np.ndarray:
-    """All tokens of `files` concatenated in order (uint16, in memory): the validation split."""
+def load_tokens(files: list[str], max_tokens: int = 0) -> np.ndarray:
+    """The tokens of `files` concatenated in order (uint16, in memory): the validation split. With
+    max_tokens > 0 only its first max_tokens tokens (eval.max_tokens), and shards past them are not read."""
     if not files:
         raise ValueError("load_tokens: no shard files given (hint: check data.val_files)")
-    return np.concatenate([read_shard(f, mmap=False) for f in files])
+    if max_tokens < 0:
+        raise ValueError(f"load_tokens: max_tokens={max_tokens}, expected >= 0 (0 = every token)")
+    parts, count = [], 0
+    for f in files:
+        parts.append(read_shard(f, mmap=False))
+        count += len(parts[-1])
+        if max_tokens and count >= max_tokens:
+            break
+    tokens = np.concatenate(parts)
+    return tokens[:max_tokens] if max_tokens else tokens
 
 
 def validation_batches(files: list[str], seq_len: int, batch_seqs: int, rank: int = 0,

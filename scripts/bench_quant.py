@@ -112,9 +112,7 @@ def main(argv=None) -> int:
     model = GPT(cfg.model)
     source = load_weights(args.checkpoint, model)
     model.to(device)
-    val_tokens = load_tokens(list_shards(cfg.data.val_files))
-    if cfg.eval.max_tokens:
-        val_tokens = val_tokens[:cfg.eval.max_tokens]
+    val_tokens = load_tokens(list_shards(cfg.data.val_files), cfg.eval.max_tokens)
     lut = build_byte_lut(cfg.data.tokenizer)
     amp = torch.bfloat16 if device.type == "cuda" else None
     pre = evaluate_bpb(model, val_tokens, lut, context=cfg.eval.context, stride=cfg.eval.stride,

@@ -32,7 +32,7 @@ if str(REPO) not in sys.path:
 
 from model.gpt import GPT  # noqa: E402
 from scripts.step_profile import format_tables, profile_steps  # noqa: E402
-from training.config import ConfigError, load_config  # noqa: E402
+from training.config import Config, ConfigError, load_config  # noqa: E402
 from training.distributed import DistInfo, destroy, init_distributed, print0  # noqa: E402
 from training.optim import build_optimizers  # noqa: E402
 from training.trainer import grad_accum_steps, peak_flops, train_step, training_flops_per_token  # noqa: E402
@@ -74,9 +74,7 @@ class RandomTokens:
         return self.x[:, :-1], self.x[:, 1:]
 
 
-def bench_variant(config: str, overrides: list[str], steps: int, warmup: int, dist: DistInfo,
-                  profile: int = 0) -> dict:
-    cfg = load_config(config, overrides)
+def bench_variant(cfg: Config, steps: int, warmup: int, dist: DistInfo, profile: int = 0) -> dict:
     device = dist.device
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
@@ -140,8 +138,8 @@ def main(argv=None) -> list[dict]:
     print0("| variant | ranks | params | ms/step | tokens/s | MFU % | peak GiB (rank 0) | warm-up s | last loss |")
     print0("|---|---|---|---|---|---|---|---|---|")
     try:
-        for name in names:
-            r = bench_variant(a.config, variant_overrides(name, a.overrides), a.steps, a.warmup, dist, a.profile)
+        for name, cfg in zip(names, configs):
+            r = bench_variant(cfg, a.steps, a.warmup, dist, a.profile)
             rows.append({"variant": name, **r})
             print0(f"| {name} | {r['ranks']} | {r['params']:,} | {r['ms_step']:.1f} | {r['tok_s']:,.0f} | "
                    f"{r['mfu']:.1f} | {r['peak_gib']:.1f} | {r['warmup_s']:.1f} | {r['loss']:.3f} |", flush=True)

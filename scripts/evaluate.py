@@ -93,7 +93,6 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = p.parse_args(argv)
     pattern = str(Path(a.val) / "fineweb_val_*.bin") if Path(a.val).is_dir() else a.val
-    tokens = load_tokens(list_shards(pattern))
     device = torch.device(a.device)
     model, meta = load_model(Path(a.artifact), device)
     eval_cfg = recorded_eval(meta, context=a.context, stride=a.stride, max_tokens=a.max_tokens,
@@ -102,8 +101,7 @@ def main(argv=None) -> None:
         eval_cfg.validate()
     except ValueError as e:
         p.error(f"{e} (hint: from --context/--stride/--max-tokens/--batch-seqs, else recorded in {a.artifact})")
-    if eval_cfg.max_tokens:
-        tokens = tokens[:eval_cfg.max_tokens]
+    tokens = load_tokens(list_shards(pattern), eval_cfg.max_tokens)
     result = score_model(Path(a.artifact), model, meta, tokens, build_byte_lut(a.tokenizer), eval_cfg,
                          device=device, tokenizer_sha256=file_sha256(a.tokenizer))
     print(json.dumps(result, sort_keys=True))

@@ -71,16 +71,16 @@ def test_named_variants_fix_the_mhc_layout_and_overrides_win():
 def test_main_benchmarks_each_variant_with_the_overrides_last(monkeypatch, capsys):
     seen = []
 
-    def fake_bench(config, overrides, steps, warmup, dist, profile):
-        seen.append(overrides)
+    def fake_bench(cfg, steps, warmup, dist, profile):
+        seen.append((cfg.model.n_streams, cfg.model.mhc_blocks, cfg.model.mhc_kernels, cfg.train.device))
         return dict(ranks=1, params=1, ms_step=1.0, tok_s=1.0, mfu=0.0, peak_gib=0.0, warmup_s=0.0, loss=0.0,
                     profile=None)
     monkeypatch.setattr(bench_step, "bench_variant", fake_bench)
     demo = str(bench_step.REPO / "configs/demo.toml")
     bench_step.main(["--config", demo, "--variants", "n2-kernels,config-kernels", "model.mhc_blocks=1",
                      "train.device=cpu"])
-    assert seen == [bench_step.VARIANTS[name] + ["model.mhc_blocks=1", "train.device=cpu"]
-                    for name in ("n2-kernels", "config-kernels")]
+    # each variant's own settings, then the command line's (mhc_blocks=1 wins over config-kernels' 3)
+    assert seen == [(2, 1, True, "cpu"), (4, 1, True, "cpu")]  # config-kernels keeps the demo's 4 streams
     assert "| n2-kernels |" in capsys.readouterr().out
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from data import loader as loader_module
 from data.loader import TokenLoader, load_tokens, validation_batches
 from data.shards import write_shard
 
@@ -157,6 +158,21 @@ def test_load_tokens_concatenates_in_order(shards):
     assert tokens.dtype == np.uint16 and len(tokens) == sizes[0] + sizes[1]
     assert tokens[sizes[0]] == SHARD_BASE
 
+
+
+def test_load_tokens_max_tokens_takes_a_prefix_and_skips_later_shards(shards, monkeypatch):
+    files, sizes = shards
+    whole = load_tokens(files[:3])
+    cut = sizes[0] + 5  # ends inside the second shard
+    read = []
+    real_read_shard = loader_module.read_shard
+    monkeypatch.setattr(loader_module, "read_shard", lambda f, **kw: read.append(f) or real_read_shard(f, **kw))
+    prefix = load_tokens(files[:3], max_tokens=cut)
+    assert np.array_equal(prefix, whole[:cut])
+    assert read == files[:2]  # the third shard is past the cap: never read
+    assert np.array_equal(load_tokens(files[:3], max_tokens=10 * len(whole)), whole)  # a cap past the end: all
+    with pytest.raises(ValueError, match="max_tokens=-1"):
+        load_tokens(files[:3], max_tokens=-1)
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_validation_batches_cover_split_once_in_order(shards, world_size):
