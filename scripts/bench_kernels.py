@@ -60,11 +60,12 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     # coef_premix without the apply (mhc_pre, the first sublayer: x in, u out); the first row is the default at
     # every n. Session 11 (H100, ms, n=4 / n=2): 64/64 0.337 / 0.194, 32/64 0.415-0.421 / 0.202, 16/64
     # 0.596-0.599 / 0.306-0.307, 32/128 0.544 (128 KB of shared memory: one program per SM) / 0.211, 16/128
-    # 0.743-0.746 / 0.314-0.315, 32/64 on 8 warps 0.685 / 0.308.
+    # 0.743-0.746 / 0.314-0.315, 32/64 on 8 warps 0.685 / 0.308. Session 12 (H100): 64/64 0.339 / 0.195 again;
+    # the two rows around it 64/64 on 8 warps 0.358 / 0.184 (n=2 6% faster in one run: 11 us per step, as
+    # mhc_pre runs once) and 64/32 0.473 / 0.264. 128 tokens would need ~180 KB of shared memory.
     "coef_premix_pre": [dict(BT=64, BC=64, num_warps=4), dict(BT=32, BC=64, num_warps=4),
                         dict(BT=16, BC=64, num_warps=4), dict(BT=32, BC=128, num_warps=4),
                         dict(BT=16, BC=128, num_warps=4), dict(BT=32, BC=64, num_warps=8),
-                        # around the default (not timed yet; 128 tokens would need ~180 KB of shared memory)
                         dict(BT=64, BC=64, num_warps=8), dict(BT=64, BC=32, num_warps=4)],
     "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
                  dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
