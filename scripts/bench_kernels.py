@@ -102,6 +102,39 @@ def floor_bytes_per_token(n: int, C: int, stream_bytes: int = 2) -> dict[str, in
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}
 
 
+def kernel_bytes_per_token(n: int, C: int, stream_bytes: int = 2) -> dict[str, int]:
+    """Bytes per token that each of the unit's five kernels moves, reading every input once and writing every
+    output once: what the kernels of this design could reach at copy bandwidth, against the floor above.
+
+    The floor recomputes x' in the backward and gives dH_pre and d(phi) for free. Here premix_grad and dphi
+    each read x' once more. d(phi)'s pre-gate columns need dH_pre (a sum over all of a token's channels), and
+    folding d(phi) into the token-major stream_bwd would need an [n*C, N] accumulator per program.
+    Not counted: dphi's per-program partial sums (their count depends on the GPU) and coef_premix's rereads
+    of x' (meant to hit L2)."""
+    from kernels._triton_util import num_coefficients, padded_columns
+    row = stream_bytes * C                        # one stream-width row of bf16
+    mixing = 4 * (n * n + n)                      # H_res and H_post, fp32
+    saved = 4 * (num_coefficients(n) + 1)         # raw projections and inv_rms, fp32
+    aux = 4 * padded_columns(n)                   # G, the rms factor and H_pre, fp32
+    return {
+        "coef_premix": (2 * n + 2) * row + 2 * mixing + saved,   # x, y in; x', u out; H in and out; raw, rinv out
+        "premix_grad": (n + 1) * row + 4 * n,                    # x', du in; dH_pre out
+        "coef_bwd": 4 * n + mixing + saved + aux,                # dH_pre, dH_post, dH_res, raw, rinv in; aux out
+        "stream_bwd": (3 * n + 3) * row + aux + 2 * mixing,      # x, y, dx', du, aux, H in; dx, dy, dH out
+        "dphi": n * row + aux,                                   # x', aux in
+    }
+
+
+def design_bound(n: int, C: int) -> str:
+    """The line bench_kernels prints under the floor: the kernels' own bytes, and the share of the floor that
+    they allow at copy bandwidth."""
+    own = kernel_bytes_per_token(n, C)
+    total, floor = sum(own.values()), floor_bytes_per_token(n, C)["fwd+bwd"]
+    return (f"the kernels' own bytes/token: {', '.join(f'{k} {v}' for k, v in own.items())}; sum {total} = "
+            f"{total / floor:.2f}x the floor, so at copy bandwidth this design reaches {100 * floor / total:.1f}% "
+            "of the floor at most")
+
+
 # ---------------------------------------------------------------- timing
 
 def bench_ms(fn, rep_ms: int) -> float:
@@ -303,6 +336,7 @@ def mhc_main(argv: list[str]) -> list[dict]:
     print(f"copy bandwidth (1 GiB D2D, read+write): {copy_bps / 1e9:.0f} GB/s")
     print(f"floor bytes/token: fwd {per_token['fwd']}, bwd {per_token['bwd']}, fwd+bwd {per_token['fwd+bwd']} "
           f"(= {(5 * n + 5)} * C bf16 stream elements + fp32 coefficients)")
+    print(design_bound(n, C))
     make = {"eager": lambda: R.mhc_post_pre, "compiled": lambda: torch.compile(R.mhc_post_pre, dynamic=False),
             "triton": lambda: K.mhc_post_pre, "triton-graph": lambda: K.mhc_post_pre}
     impls = {name: make[name]() for name in args.impls}

@@ -399,6 +399,42 @@ def test_bench_floor_bytes_are_the_stated_count():
     assert floor_bytes_per_token(4, 512) == {"fwd": 10_500, "bwd": 15_700, "fwd+bwd": 26_200}
 
 
+def test_bench_kernel_bytes_count_what_each_launch_of_the_unit_passes():
+    """kernel_bytes_per_token against the launches themselves: the per-token tensors that the five kernels of
+    mhc_post_pre's forward and backward receive (recorded on meta tensors, as mhc.py launches them)."""
+    pytest.importorskip("triton")
+    from kernels.mhc_bwd import launch_coef_bwd, launch_dphi, launch_stream_bwd
+    from kernels.mhc_fwd import launch_coef_premix
+    from scripts.bench_kernels import floor_bytes_per_token, kernel_bytes_per_token
+    from scripts.kernel_resources import Recorder, kernel_name
+
+    T, C = 1000, 64
+    for n in (2, 4):
+        N = R.mhc_num_coefficients(n)
+        new = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+        x, y, dx_new, du = new(T, n, C, dtype=torch.bfloat16), new(T, C, dtype=torch.bfloat16), \
+            new(T, n, C, dtype=torch.bfloat16), new(T, C, dtype=torch.bfloat16)
+        h_res, h_post, dh_res, dh_post = new(T, n, n), new(T, n), new(T, n, n), new(T, n)
+        phi, alpha, bias = new(N, n * C).t(), new(3), new(N)
+        rec = Recorder()
+        x_new, _, _, _, raw, rinv = launch_coef_premix(rec, x, y, h_res, h_post, phi, alpha, bias, 20)
+        aux, _, _ = launch_coef_bwd(rec, x_new, du, dh_post, dh_res, raw, rinv, alpha, bias, 20)
+        launch_stream_bwd(rec, x, y, h_res, h_post, dx_new, du, aux, phi)
+        launch_dphi(rec, x_new, aux)
+        counted = {}
+        for kernel, args, kwargs in rec.launches:
+            per_token = {id(a): a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor) and a.shape[0] == T}
+            counted[kernel_name(kernel).removesuffix("_kernel")] = sum(
+                a.numel() * a.element_size() for a in per_token.values()) // T
+        assert counted == kernel_bytes_per_token(n, C)
+    # n=4, C=512: 35,832 bytes, 1.37x the floor's 26,200 (docs/benchmarks.md, session 12)
+    assert sum(kernel_bytes_per_token(4, 512).values()) == 35_832
+    assert floor_bytes_per_token(4, 512)["fwd"] == kernel_bytes_per_token(4, 512)["coef_premix"]
+    from scripts.bench_kernels import design_bound
+    assert design_bound(4, 512).endswith("sum 35832 = 1.37x the floor, so at copy bandwidth this design reaches "
+                                         "73.1% of the floor at most")
+
+
 def test_bench_mhc_flags_parse_and_reject_bad_values():
     from scripts.bench_kernels import SWEEP, parse_mhc_args
     args = parse_mhc_args([])
