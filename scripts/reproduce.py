@@ -9,6 +9,12 @@ torch.distributed.run with --nproc-per-node) and is read back from its last stdo
 rule of the challenge: the mean val_loss must beat the baseline's by at least 0.005 nats, shown by a
 one-sided Welch t-test at p < 0.01. A failed run, or one over the 16,000,000-byte cap, makes the
 exit status non-zero and no submission.json is written.
+
+A seed whose log (<log_dir>/<run_id>.txt) already exists is refused up front: train.py appends to its
+log, so a second run would mix two trajectories in one file. With --reuse such a seed is read back from
+its log instead of run again, after checking that the log's config is this command's. That is how
+seeds run on several machines (or before an interruption) come together: copy their logs into the log
+folder and run the same command with --reuse.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ if str(REPO) not in sys.path:  # `python scripts/reproduce.py` as well as `pytho
 
 from quant.size import CAP_BYTES  # noqa: E402
 from scripts.runlog import LogFormatError, parse_lines, parse_log, stream_run, write_atomic  # noqa: E402
-from training.config import ConfigError, load_config  # noqa: E402
+from training.config import ConfigError, load_config, to_dict  # noqa: E402
 
 RECORD_MARGIN_NATS = 0.005   # a new record must beat the best by this much in val_loss ...
 RECORD_ALPHA = 0.01          # ... at this one-sided significance level
@@ -180,6 +186,7 @@ class SeedRun:
     final: dict | None = None
     versions: dict = field(default_factory=dict)
     world_size: int = 1
+    reused: bool = False  # read back from an existing log (--reuse), not run by this call
 
     def problem(self) -> str | None:
         """Why this run cannot count, or None."""
@@ -212,12 +219,58 @@ def run_seed(run: SeedRun) -> SeedRun:
     return run
 
 
+RUN_ONLY_KEYS = ("train.resume",)  # may differ between two runs of one config (a resumed run sets it)
+
+
+def flat_config(config: dict) -> dict[str, object]:
+    """{"train": {"seed": 1}} -> {"train.seed": 1}, as the log's `config` line nests it."""
+    return {f"{section}.{key}": value for section, values in config.items() for key, value in values.items()}
+
+
+def config_differences(logged: dict, expected: dict) -> list[str]:
+    """The dotted keys where a log's config line differs from the config this command would run."""
+    a, b = flat_config(logged), flat_config(expected)
+    return [f"{key}: log {a.get(key, '<absent>')!r}, this command {b.get(key, '<absent>')!r}"
+            for key in sorted(set(a) | set(b)) if key not in RUN_ONLY_KEYS and a.get(key) != b.get(key)]
+
+
+def reuse_seed(run: SeedRun, path: Path, config: str, overrides: list[str]) -> SeedRun:
+    """Read a finished run of this seed back from its log, after checking its config is this command's."""
+    log = parse_log(path)
+    if log.final is None:
+        raise SystemExit(f"reproduce: {path} has no `final` line (an interrupted run of seed {run.seed}); hint: "
+                         "move it away to run that seed again")
+    expected = to_dict(load_config(config, [*overrides, f"train.seed={run.seed}", f"train.run_id={run.run_id}"]))
+    differences = config_differences(log.config, json.loads(json.dumps(expected)))
+    if differences:
+        raise SystemExit(f"reproduce: {path} is a run of another config, so --reuse cannot count it for seed "
+                         f"{run.seed}:\n  " + "\n  ".join(differences) + "\nhint: pass the same --config and "
+                         "overrides as the run had, or move the log away to run the seed again")
+    run.returncode, run.final, run.reused = 0, log.final, True
+    run.versions, run.world_size = log.versions, log.world_size or 1
+    return run
+
+
+def check_existing_logs(runs: list[SeedRun], log_dir: Path, reuse: bool, config: str, overrides: list[str]) -> None:
+    """Before anything runs: each seed's log is absent, or (with reuse) a finished run of this config."""
+    for run in runs:
+        path = log_dir / f"{run.run_id}.txt"
+        if not path.exists():
+            continue
+        if not reuse:
+            raise SystemExit(f"reproduce: {path} already exists (an earlier run of seed {run.seed}); train.py would "
+                             "append this run to it. hint: --reuse counts that run, --name gives new run ids, or "
+                             "move the file away")
+        reuse_seed(run, path, config, overrides)
+
+
 def print_summary(runs: list[SeedRun], sig: dict | None) -> None:
     print(f"\n{'seed':>8} {'run_id':<28} {'val_loss':>10} {'val_bpb':>10} {'total bytes':>12}  status")
     for r in runs:
         f = r.final or {}
         print(f"{r.seed:>8} {r.run_id:<28} {f.get('val_loss', float('nan')):>10.5f} "
-              f"{f.get('val_bpb', float('nan')):>10.5f} {f.get('total_bytes', 0):>12,}  {r.problem() or 'ok'}")
+              f"{f.get('val_bpb', float('nan')):>10.5f} {f.get('total_bytes', 0):>12,}  "
+              f"{r.problem() or 'ok'}{' (from its log)' if r.reused else ''}")
     good = [r.final for r in runs if r.problem() is None]
     for key in ("val_loss", "val_bpb") if good else ():
         mean, std = mean_std([f[key] for f in good])
@@ -248,6 +301,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--name", help="submission name; run ids are <name>-s<seed> (default: the config's stem)")
     p.add_argument("--github-id", default="", help="submission.json github_id")
     p.add_argument("--nproc-per-node", type=int, help="launch each seed with torch.distributed.run on N processes")
+    p.add_argument("--reuse", action="store_true",
+                   help="read back the seeds whose logs already hold a finished run of this config (run "
+                        "elsewhere, or before an interruption) and run only the others")
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     a = p.parse_args(argv)
     a.overrides = overrides
@@ -273,10 +329,12 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(a.config, a.overrides)  # a typo fails now, not after the first seed's hours
         baseline = baseline_losses(a.baseline) if a.baseline else None
+        check_existing_logs(runs, REPO / cfg.train.log_dir, a.reuse, a.config, a.overrides)
     except (ConfigError, LogFormatError, FileNotFoundError) as e:
         raise SystemExit(f"reproduce: {e}") from None
     for r in runs:
-        run_seed(r)
+        if not r.reused:
+            run_seed(r)
     good = [r for r in runs if r.problem() is None]
     sig = None
     if baseline is not None and len(good) >= 2:

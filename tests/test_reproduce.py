@@ -192,3 +192,61 @@ def test_baseline_comparison_from_real_logs(tiny_seed_runs, tmp_path, capsys):
     reproduce.print_summary(runs, sig)
     out = capsys.readouterr().out
     assert "RECORD" in out and "val_bpb: mean" in out and "tiny-run-s7" in out
+
+
+# ----- seeds run before, or elsewhere (--reuse) -----
+
+def tiny_argv(tiny_seed_runs, demo_dir, seeds, out, *extra, overrides=()):
+    """The fixture's reproduce command (same name, config and overrides, so the same run ids and log folder)."""
+    return ["--config", str(REPO / "configs/demo.toml"), "--seeds", ",".join(map(str, seeds)), "--name", "tiny run",
+            "--github-id", "tester", "--out", str(out), *extra,
+            "--", *tiny_run_overrides(demo_dir, tiny_seed_runs.root), *overrides]
+
+
+def test_an_existing_log_is_refused_without_reuse(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(reproduce, "run_seed", lambda run: pytest.fail("a seed ran"))
+    with pytest.raises(SystemExit, match=r"tiny-run-s7.txt already exists .*hint: --reuse counts that run"):
+        reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub"))
+    assert not (tmp_path / "sub").exists()
+
+
+def test_reuse_reads_finished_seeds_back_and_runs_only_the_others(tiny_seed_runs, demo_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(reproduce, "run_seed", lambda run: pytest.fail(f"seed {run.seed} ran"))
+    assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "same", "--reuse")) == 0
+    assert json.loads((tmp_path / "same" / "submission.json").read_text()) == tiny_seed_runs.submission
+    assert capsys.readouterr().out.count("ok (from its log)") == 2
+
+    ran = []
+    log8 = parse_log(tiny_seed_runs.logs[1])
+
+    def fake_run(run):  # a third seed, run now: stands in for train.py
+        ran.append(run.seed)
+        run.returncode, run.final = 0, dict(log8.final, run_id=run.run_id, val_bpb=log8.final["val_bpb"] + 0.01)
+        run.versions, run.world_size = log8.versions, 1
+        return run
+    monkeypatch.setattr(reproduce, "run_seed", fake_run)
+    assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, (*TINY_SEEDS, 9), tmp_path / "three", "--reuse")) == 0
+    sub = json.loads((tmp_path / "three" / "submission.json").read_text())
+    assert ran == [9] and sub["seeds"] == [*TINY_SEEDS, 9]
+    assert [sub["seed_results"][str(s)]["val_bpb"] for s in TINY_SEEDS] == \
+        [tiny_seed_runs.submission["seed_results"][str(s)]["val_bpb"] for s in TINY_SEEDS]
+
+
+def test_reuse_refuses_the_log_of_another_config(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(reproduce, "run_seed", lambda run: pytest.fail("a seed ran"))
+    with pytest.raises(SystemExit, match=r"(?s)is a run of another config.*train\.max_steps: log 4, this command 3"):
+        reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
+                                 overrides=["train.max_steps=3"]))
+
+
+def test_reuse_refuses_an_unfinished_log(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
+    """A log without its final line is an interrupted run: not counted, not appended to, not deleted."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    lines = tiny_seed_runs.logs[0].read_text().splitlines(keepends=True)
+    (logs / "tiny-run-s7.txt").write_text("".join(l for l in lines if not l.startswith("final ")))
+    monkeypatch.setattr(reproduce, "run_seed", lambda run: pytest.fail("a seed ran"))
+    with pytest.raises(SystemExit, match=r"tiny-run-s7.txt has no `final` line .*move it away"):
+        reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
+                                 overrides=[f"train.log_dir={logs}"]))
+    assert (logs / "tiny-run-s7.txt").read_text().count("\n") == len(lines) - 1
