@@ -63,16 +63,21 @@ def parse_variant(text: str) -> Variant:
     return Variant(name, shlex.split(overrides))
 
 
-def check_configs(config: str, common: list[str], variants: list[Variant]) -> None:
-    """Fail before any run starts: a typo in the last variant must not cost the first one's GPU time."""
+def check_configs(config: str, common: list[str], variants: list[Variant], prefix: str) -> None:
+    """Fail before any run starts: a typo in the last variant must not cost the first one's GPU time, and
+    a variant's log must not exist yet (train.py appends to its log: two runs would share one file)."""
     names = [v.name for v in variants]
     if len(set(names)) != len(names):
         raise SystemExit(f"variant names must be unique, got {names}")
     for v in variants:
         try:
-            load_config(config, [*common, *v.overrides])
+            cfg = load_config(config, [*common, *v.overrides])
         except ConfigError as e:
             raise SystemExit(f"variant {v.name}: {e}") from None
+        log = REPO / cfg.train.log_dir / f"{prefix}-{v.name}.txt"
+        if log.exists():
+            raise SystemExit(f"variant {v.name}: {log} already exists (an earlier run with this run id); train.py "
+                             "would append this run to it. hint: --prefix gives new run ids, or move the file away")
 
 
 def run_variant(v: Variant, command: list[str], env: dict, print_lock: threading.Lock) -> None:
@@ -167,7 +172,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv=None) -> int:
     args, common = parse_args(sys.argv[1:] if argv is None else list(argv))
     variants = [parse_variant(text) for text in args.variant]
-    check_configs(args.config, common, variants)
+    check_configs(args.config, common, variants, args.prefix)
     slots = [None] * args.parallel if args.gpus == "none" else [g.strip() for g in args.gpus.split(",") if g.strip()]
     if not slots:
         raise SystemExit("--gpus: expected GPU indices like 0,1 or 'none'")

@@ -43,6 +43,16 @@ def test_variants_are_checked_before_anything_runs(monkeypatch):
         ablate.main(["--config", CONFIG, "--variant", "a=", "--parallel", "0", "--gpus", "none"])
 
 
+def test_a_variant_whose_log_exists_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(ablate, "run_all", lambda *a: pytest.fail("nothing may run"))
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "t-b.txt").write_text("run t-b ...\n")
+    with pytest.raises(SystemExit, match=r"variant b: .*t-b\.txt already exists .*hint: --prefix"):
+        ablate.main(["--config", CONFIG, "--prefix", "t", "--variant", "a=", "--variant", "b=model.n_streams=1",
+                     "--", f"train.log_dir={tmp_path / 'logs'}"])
+    assert (tmp_path / "logs" / "t-b.txt").read_text() == "run t-b ...\n"
+
+
 def test_each_gpu_slot_runs_one_variant_at_a_time(monkeypatch):
     seen, lock = [], __import__("threading").Lock()
 
