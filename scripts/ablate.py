@@ -65,17 +65,18 @@ def parse_variant(text: str) -> Variant:
 
 def check_configs(config: str, common: list[str], variants: list[Variant], prefix: str) -> None:
     """Fail before any run starts: a typo in the last variant must not cost the first one's GPU time, and
-    a variant's log must not exist yet (train.py appends to its log: two runs would share one file)."""
+    a variant's log must not exist yet unless the variant resumes (train.py appends to its log: two runs
+    would share one file)."""
     names = [v.name for v in variants]
     if len(set(names)) != len(names):
         raise SystemExit(f"variant names must be unique, got {names}")
     for v in variants:
         try:
-            cfg = load_config(config, [*common, *v.overrides])
+            cfg = load_config(config, [*common, *v.overrides, f"train.run_id={prefix}-{v.name}"])  # as it will run
         except ConfigError as e:
             raise SystemExit(f"variant {v.name}: {e}") from None
         log = REPO / cfg.train.log_dir / f"{prefix}-{v.name}.txt"
-        if log.exists():
+        if log.exists() and not cfg.train.resume:  # a resumed run continues its own log
             raise SystemExit(f"variant {v.name}: {log} already exists (an earlier run with this run id); train.py "
                              "would append this run to it. hint: --prefix gives new run ids, or move the file away")
 

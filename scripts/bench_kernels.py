@@ -116,8 +116,8 @@ def kernel_bytes_per_token(n: int, C: int, stream_bytes: int = 2) -> dict[str, i
     The floor recomputes x' in the backward and gives dH_pre and d(phi) for free. Here premix_grad and dphi
     each read x' once more. d(phi)'s pre-gate columns need dH_pre (a sum over all of a token's channels), and
     folding d(phi) into the token-major stream_bwd would need an [n*C, N] accumulator per program.
-    Not counted: dphi's per-program partial sums (their count depends on the GPU) and coef_premix's rereads
-    of x' (meant to hit L2)."""
+    Not counted: dphi's per-program partial sums (their count depends on the GPU), and what is meant to hit
+    L2: coef_premix's rereads of x' and every program's reads of phi."""
     from kernels._triton_util import num_coefficients, padded_columns
     row = stream_bytes * C                        # one stream-width row of bf16
     mixing = 4 * (n * n + n)                      # H_res and H_post, fp32

@@ -10,11 +10,13 @@ rule of the challenge: the mean val_loss must beat the baseline's by at least 0.
 one-sided Welch t-test at p < 0.01. A failed run, or one over the 16,000,000-byte cap, makes the
 exit status non-zero and no submission.json is written.
 
-A seed whose log (<log_dir>/<run_id>.txt) already exists is refused up front: train.py appends to its
-log, so a second run would mix two trajectories in one file. With --reuse such a seed is read back from
-its log instead of run again, after checking that the log's config is this command's. That is how
-seeds run on several machines (or before an interruption) come together: copy their logs into the log
-folder and run the same command with --reuse.
+A seed whose log (<train.log_dir>/<run_id>.txt) already exists is refused up front: train.py appends to
+its log, so a second run would mix two trajectories in one file. With --reuse a finished run there is
+read back instead of run again, after checking that the log's config is this command's (folders and
+report intervals aside), that it ran on as many processes, and that it succeeded. An unfinished one is
+continued from its checkpoint when the overrides hold train.resume=latest. So seeds run on several
+machines, or before an interruption, come together: copy their logs into the log folder and run the
+same command with --reuse.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ if str(REPO) not in sys.path:  # `python scripts/reproduce.py` as well as `pytho
 
 from quant.size import CAP_BYTES  # noqa: E402
 from scripts.runlog import LogFormatError, parse_lines, parse_log, stream_run, write_atomic  # noqa: E402
-from training.config import ConfigError, load_config, to_dict  # noqa: E402
+from training.config import Config, ConfigError, load_config, to_dict  # noqa: E402
 
 RECORD_MARGIN_NATS = 0.005   # a new record must beat the best by this much in val_loss ...
 RECORD_ALPHA = 0.01          # ... at this one-sided significance level
@@ -219,49 +221,94 @@ def run_seed(run: SeedRun) -> SeedRun:
     return run
 
 
-RUN_ONLY_KEYS = ("train.resume",)  # may differ between two runs of one config (a resumed run sets it)
+# Where a run's files go and how often it reports: two runs of one config may differ here (another
+# machine's folders, a resumed run) and still compute the same thing.
+RUN_ONLY_KEYS = ("train.resume", "train.log_dir", "train.out_dir", "train.log_every", "train.checkpoint_every",
+                 "train.checkpoint_keep", "train.wandb", "train.wandb_project", "train.device")
 
 
 def flat_config(config: dict) -> dict[str, object]:
     """{"train": {"seed": 1}} -> {"train.seed": 1}, as the log's `config` line nests it."""
-    return {f"{section}.{key}": value for section, values in config.items() for key, value in values.items()}
+    flat = {}
+    for section, values in config.items():
+        if isinstance(values, dict):
+            flat.update({f"{section}.{key}": value for key, value in values.items()})
+        else:  # not a section: compared as one value (and so reported, not crashed on)
+            flat[section] = values
+    return flat
 
 
 def config_differences(logged: dict, expected: dict) -> list[str]:
-    """The dotted keys where a log's config line differs from the config this command would run."""
-    a, b = flat_config(logged), flat_config(expected)
-    return [f"{key}: log {a.get(key, '<absent>')!r}, this command {b.get(key, '<absent>')!r}"
-            for key in sorted(set(a) | set(b)) if key not in RUN_ONLY_KEYS and a.get(key) != b.get(key)]
+    """The dotted keys where a log's config line differs from the config this command would run. An option
+    the log does not have (newer than the run) counts as equal while this command leaves it at its default,
+    which is what the run did before the option existed."""
+    a, b, default = flat_config(logged), flat_config(expected), flat_config(to_dict(Config()))
+    absent = "<absent>"
+    return [f"{key}: log {a.get(key, absent)!r}, this command {b.get(key, absent)!r}"
+            for key in sorted(set(a) | set(b))
+            if key not in RUN_ONLY_KEYS and a.get(key, absent) != b.get(key, absent)
+            and not (key not in a and key in default and b.get(key) == default[key])]
 
 
-def reuse_seed(run: SeedRun, path: Path, config: str, overrides: list[str]) -> SeedRun:
-    """Read a finished run of this seed back from its log, after checking its config is this command's."""
+def is_finished(path: Path) -> bool:
+    """A log ends with its run's `final` line: one after the last `config` line (a run appended after a
+    finished one starts with a new config line; a resumed run writes its config again, then goes on)."""
+    last = {}
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f):
+            kind = line.split(" ", 1)[0]
+            if kind in ("config", "final"):
+                last[kind] = number
+    return "final" in last and last["final"] > last.get("config", -1)
+
+
+def reuse_seed(run: SeedRun, path: Path, config: str, overrides: list[str], world_size: int) -> SeedRun:
+    """Read a finished run of this seed back from its log, after checking that it is a run of this command's
+    config on as many processes, and that it succeeded (a failed run is not silently counted)."""
     log = parse_log(path)
-    if log.final is None:
-        raise SystemExit(f"reproduce: {path} has no `final` line (an interrupted run of seed {run.seed}); hint: "
-                         "move it away to run that seed again")
     expected = to_dict(load_config(config, [*overrides, f"train.seed={run.seed}", f"train.run_id={run.run_id}"]))
     differences = config_differences(log.config, json.loads(json.dumps(expected)))
     if differences:
         raise SystemExit(f"reproduce: {path} is a run of another config, so --reuse cannot count it for seed "
                          f"{run.seed}:\n  " + "\n  ".join(differences) + "\nhint: pass the same --config and "
                          "overrides as the run had, or move the log away to run the seed again")
+    if (log.world_size or 1) != world_size:
+        raise SystemExit(f"reproduce: {path} ran on {log.world_size or 1} process(es), this command runs {world_size} "
+                         "(--nproc-per-node): the same global batch splits differently. hint: the run's "
+                         "--nproc-per-node, or move the log away to run the seed again")
     run.returncode, run.final, run.reused = 0, log.final, True
     run.versions, run.world_size = log.versions, log.world_size or 1
+    failure = run.problem() or ("over its config's quant.cap_bytes" if run.final.get("fits_cap") is False else None)
+    if failure:
+        raise SystemExit(f"reproduce: {path} is a failed run of seed {run.seed} ({failure}); hint: move it away to "
+                         "run that seed again")
     return run
 
 
-def check_existing_logs(runs: list[SeedRun], log_dir: Path, reuse: bool, config: str, overrides: list[str]) -> None:
-    """Before anything runs: each seed's log is absent, or (with reuse) a finished run of this config."""
+def check_existing_logs(runs: list[SeedRun], log_dir: Path, *, reuse: bool, resume: bool, config: str,
+                        overrides: list[str], world_size: int) -> None:
+    """Before anything runs: each seed's log is absent; or it holds a finished run of this config, counted
+    with reuse; or an unfinished one that train.resume continues (train.py appends to the log)."""
     for run in runs:
         path = log_dir / f"{run.run_id}.txt"
         if not path.exists():
             continue
+        if not is_finished(path):
+            if resume:
+                continue
+            raise SystemExit(f"reproduce: {path} holds an unfinished run of seed {run.seed}; hint: "
+                             "train.resume=latest continues it from its last checkpoint, or move the log away to "
+                             "start the seed again")
         if not reuse:
-            raise SystemExit(f"reproduce: {path} already exists (an earlier run of seed {run.seed}); train.py would "
+            raise SystemExit(f"reproduce: {path} already exists (a finished run of seed {run.seed}); train.py would "
                              "append this run to it. hint: --reuse counts that run, --name gives new run ids, or "
                              "move the file away")
-        reuse_seed(run, path, config, overrides)
+        reuse_seed(run, path, config, overrides, world_size)
+    reused = [r for r in runs if r.reused]
+    stacks = {json.dumps([hardware(r.versions, r.world_size), r.versions], sort_keys=True) for r in reused}
+    if len(stacks) > 1:
+        raise SystemExit("reproduce: the reused logs come from different hardware or software: "
+                         + "; ".join(f"seed {r.seed}: {hardware(r.versions, r.world_size)} {r.versions}" for r in reused))
 
 
 def print_summary(runs: list[SeedRun], sig: dict | None) -> None:
@@ -304,7 +351,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reuse", action="store_true",
                    help="read back the seeds whose logs already hold a finished run of this config (run "
                         "elsewhere, or before an interruption) and run only the others")
-    p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the commands and exit (reads neither the config nor the logs, so it also lists "
+                        "the seeds --reuse would read back)")
     a = p.parse_args(argv)
     a.overrides = overrides
     a.name = a.name or Path(a.config).stem
@@ -327,9 +376,11 @@ def main(argv=None) -> int:
             print(shlex.join(r.command))
         return 0
     try:
-        cfg = load_config(a.config, a.overrides)  # a typo fails now, not after the first seed's hours
+        # a typo fails now, not after the first seed's hours (as seed 1 will run: train.resume needs a run id)
+        cfg = load_config(a.config, [*a.overrides, f"train.seed={runs[0].seed}", f"train.run_id={runs[0].run_id}"])
         baseline = baseline_losses(a.baseline) if a.baseline else None
-        check_existing_logs(runs, REPO / cfg.train.log_dir, a.reuse, a.config, a.overrides)
+        check_existing_logs(runs, REPO / cfg.train.log_dir, reuse=a.reuse, resume=bool(cfg.train.resume),
+                            config=a.config, overrides=a.overrides, world_size=a.nproc_per_node or 1)
     except (ConfigError, LogFormatError, FileNotFoundError) as e:
         raise SystemExit(f"reproduce: {e}") from None
     for r in runs:
@@ -344,8 +395,12 @@ def main(argv=None) -> int:
     if len(good) < len(runs):
         print(f"{len(runs) - len(good)} of {len(runs)} seed(s) failed; no submission.json written", file=sys.stderr)
         return 1
-    submission = build_submission(a.name, a.github_id, [SeedResult(r.seed, r.final, r.versions, r.world_size)
-                                                       for r in runs], significance_block=sig)
+    try:
+        submission = build_submission(a.name, a.github_id, [SeedResult(r.seed, r.final, r.versions, r.world_size)
+                                                           for r in runs], significance_block=sig)
+    except ValueError as e:  # e.g. seeds reused from another machine's software than the ones run here
+        print(f"reproduce: {e}; no submission.json written", file=sys.stderr)
+        return 1
     out = Path(a.out or REPO / cfg.train.out_dir / f"reproduce-{slug}") / "submission.json"
     write_json_atomic(out, submission)
     print(f"wrote {out}")

@@ -31,10 +31,11 @@ def test_real_variants_run_side_by_side_and_a_failure_is_reported(demo_dir, tmp_
     assert summary["common"] == common
 
 
-def test_variants_are_checked_before_anything_runs(monkeypatch):
+def test_variants_are_checked_before_anything_runs(monkeypatch, tmp_path):
     monkeypatch.setattr(ablate, "run_all", lambda *a: pytest.fail("nothing may run"))
     with pytest.raises(SystemExit, match="variant b: .*model.n_streams"):
-        ablate.main(["--config", CONFIG, "--variant", "a=model.n_streams=1", "--variant", "b=model.n_streams=0"])
+        ablate.main(["--config", CONFIG, "--variant", "a=model.n_streams=1", "--variant", "b=model.n_streams=0",
+                     "--", f"train.log_dir={tmp_path}"])  # no earlier run's log in the way
     with pytest.raises(SystemExit, match="must be unique"):
         ablate.main(["--config", CONFIG, "--variant", "a=", "--variant", "a=model.n_streams=1"])
     with pytest.raises(SystemExit, match="expected NAME="):
@@ -51,6 +52,11 @@ def test_a_variant_whose_log_exists_is_refused_before_anything_runs(tmp_path, mo
         ablate.main(["--config", CONFIG, "--prefix", "t", "--variant", "a=", "--variant", "b=model.n_streams=1",
                      "--", f"train.log_dir={tmp_path / 'logs'}"])
     assert (tmp_path / "logs" / "t-b.txt").read_text() == "run t-b ...\n"
+    ran = []
+    monkeypatch.setattr(ablate, "run_all", lambda config, common, variants, *a: ran.extend(v.name for v in variants))
+    ablate.main(["--config", CONFIG, "--prefix", "t", "--variant", "a=", "--variant", "b=train.resume=latest",
+                 "--", f"train.log_dir={tmp_path / 'logs'}"])  # b continues its own log
+    assert ran == ["a", "b"]
 
 
 def test_each_gpu_slot_runs_one_variant_at_a_time(monkeypatch):

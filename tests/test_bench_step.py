@@ -79,7 +79,8 @@ def test_main_benchmarks_each_variant_with_the_overrides_last(monkeypatch, capsy
     demo = str(bench_step.REPO / "configs/demo.toml")
     bench_step.main(["--config", demo, "--variants", "n2-kernels,config-kernels", "model.mhc_blocks=1",
                      "train.device=cpu"])
-    # each variant's own settings, then the command line's (mhc_blocks=1 wins over config-kernels' 3)
+    # each variant's own settings, then the command line's: n2-kernels sets mhc_blocks=0 and the command line's 1
+    # wins; config-kernels keeps the demo config's layout, with the command line's mhc_blocks
     assert seen == [(2, 1, True, "cpu"), (4, 1, True, "cpu")]  # config-kernels keeps the demo's 4 streams
     assert "| n2-kernels |" in capsys.readouterr().out
 

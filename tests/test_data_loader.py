@@ -159,7 +159,6 @@ def test_load_tokens_concatenates_in_order(shards):
     assert tokens[sizes[0]] == SHARD_BASE
 
 
-
 def test_load_tokens_max_tokens_takes_a_prefix_and_skips_later_shards(shards, monkeypatch):
     files, sizes = shards
     whole = load_tokens(files[:3])
@@ -170,6 +169,9 @@ def test_load_tokens_max_tokens_takes_a_prefix_and_skips_later_shards(shards, mo
     prefix = load_tokens(files[:3], max_tokens=cut)
     assert np.array_equal(prefix, whole[:cut])
     assert read == files[:2]  # the third shard is past the cap: never read
+    read.clear()
+    assert np.array_equal(load_tokens(files[:3], max_tokens=sizes[0]), whole[:sizes[0]])
+    assert read == files[:1]  # a cap at a shard's end reads no further
     assert np.array_equal(load_tokens(files[:3], max_tokens=10 * len(whole)), whole)  # a cap past the end: all
     with pytest.raises(ValueError, match="max_tokens=-1"):
         load_tokens(files[:3], max_tokens=-1)

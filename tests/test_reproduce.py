@@ -194,6 +194,7 @@ def test_baseline_comparison_from_real_logs(tiny_seed_runs, tmp_path, capsys):
     assert "RECORD" in out and "val_bpb: mean" in out and "tiny-run-s7" in out
 
 
+
 # ----- seeds run before, or elsewhere (--reuse) -----
 
 def tiny_argv(tiny_seed_runs, demo_dir, seeds, out, *extra, overrides=()):
@@ -203,15 +204,29 @@ def tiny_argv(tiny_seed_runs, demo_dir, seeds, out, *extra, overrides=()):
             "--", *tiny_run_overrides(demo_dir, tiny_seed_runs.root), *overrides]
 
 
+def copied_logs(tiny_seed_runs, folder: Path, edit=lambda seed, text: text) -> list[str]:
+    """The fixture's two logs copied into `folder` (edited per seed); the override that points a command there."""
+    folder.mkdir()
+    for seed, log in zip(TINY_SEEDS, tiny_seed_runs.logs):
+        text = edit(seed, log.read_text())
+        if text is not None:
+            (folder / log.name).write_text(text)
+    return [f"train.log_dir={folder}"]
+
+
+def no_run(monkeypatch):
+    monkeypatch.setattr(reproduce, "run_seed", lambda run: pytest.fail(f"seed {run.seed} ran"))
+
+
 def test_an_existing_log_is_refused_without_reuse(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(reproduce, "run_seed", lambda run: pytest.fail("a seed ran"))
+    no_run(monkeypatch)
     with pytest.raises(SystemExit, match=r"tiny-run-s7.txt already exists .*hint: --reuse counts that run"):
         reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub"))
     assert not (tmp_path / "sub").exists()
 
 
 def test_reuse_reads_finished_seeds_back_and_runs_only_the_others(tiny_seed_runs, demo_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(reproduce, "run_seed", lambda run: pytest.fail(f"seed {run.seed} ran"))
+    no_run(monkeypatch)
     assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "same", "--reuse")) == 0
     assert json.loads((tmp_path / "same" / "submission.json").read_text()) == tiny_seed_runs.submission
     assert capsys.readouterr().out.count("ok (from its log)") == 2
@@ -225,7 +240,10 @@ def test_reuse_reads_finished_seeds_back_and_runs_only_the_others(tiny_seed_runs
         run.versions, run.world_size = log8.versions, 1
         return run
     monkeypatch.setattr(reproduce, "run_seed", fake_run)
-    assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, (*TINY_SEEDS, 9), tmp_path / "three", "--reuse")) == 0
+    # the logs copied to another folder (another machine's): folders differ, the config does not
+    moved = copied_logs(tiny_seed_runs, tmp_path / "moved")
+    assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, (*TINY_SEEDS, 9), tmp_path / "three", "--reuse",
+                                    overrides=moved)) == 0
     sub = json.loads((tmp_path / "three" / "submission.json").read_text())
     assert ran == [9] and sub["seeds"] == [*TINY_SEEDS, 9]
     assert [sub["seed_results"][str(s)]["val_bpb"] for s in TINY_SEEDS] == \
@@ -233,20 +251,72 @@ def test_reuse_reads_finished_seeds_back_and_runs_only_the_others(tiny_seed_runs
 
 
 def test_reuse_refuses_the_log_of_another_config(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(reproduce, "run_seed", lambda run: pytest.fail("a seed ran"))
+    no_run(monkeypatch)
     with pytest.raises(SystemExit, match=r"(?s)is a run of another config.*train\.max_steps: log 4, this command 3"):
         reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
                                  overrides=["train.max_steps=3"]))
 
 
-def test_reuse_refuses_an_unfinished_log(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
-    """A log without its final line is an interrupted run: not counted, not appended to, not deleted."""
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    lines = tiny_seed_runs.logs[0].read_text().splitlines(keepends=True)
-    (logs / "tiny-run-s7.txt").write_text("".join(l for l in lines if not l.startswith("final ")))
-    monkeypatch.setattr(reproduce, "run_seed", lambda run: pytest.fail("a seed ran"))
-    with pytest.raises(SystemExit, match=r"tiny-run-s7.txt has no `final` line .*move it away"):
+def test_reuse_takes_an_option_newer_than_the_log_only_at_its_default(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
+    """A log written before model.smear_gate existed ran without it: equal to the default, not to smear_gate=true."""
+    def drop_option(seed, text):
+        lines = text.splitlines(keepends=True)
+        i = next(i for i, line in enumerate(lines) if line.startswith("config "))
+        config = json.loads(lines[i][len("config "):])
+        del config["model"]["smear_gate"]
+        lines[i] = "config " + json.dumps(config, sort_keys=True) + "\n"
+        return "".join(lines)
+    older = copied_logs(tiny_seed_runs, tmp_path / "older", drop_option)
+    no_run(monkeypatch)
+    assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
+                                    overrides=older)) == 0
+    with pytest.raises(SystemExit, match=r"model\.smear_gate: log '<absent>', this command True"):
+        reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub2", "--reuse",
+                                 overrides=[*older, "model.smear_gate=true"]))
+
+
+def test_reuse_refuses_a_failed_run_and_another_process_count(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
+    def fail_seed_8(seed, text):
+        if seed != 8:
+            return text
+        head, _, final = text.rpartition("final ")
+        result = json.loads(final)
+        result.update(fits_cap=False, export_error="over the budget")
+        return head + "final " + json.dumps(result) + "\n"
+    failed = copied_logs(tiny_seed_runs, tmp_path / "failed", fail_seed_8)
+    no_run(monkeypatch)
+    with pytest.raises(SystemExit, match=r"tiny-run-s8.txt is a failed run of seed 8 \(no artifact: over the budget\)"):
+        reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse", overrides=failed))
+    with pytest.raises(SystemExit, match=r"ran on 1 process\(es\), this command runs 2 \(--nproc-per-node\)"):
         reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
-                                 overrides=[f"train.log_dir={logs}"]))
-    assert (logs / "tiny-run-s7.txt").read_text().count("\n") == len(lines) - 1
+                                 "--nproc-per-node", "2"))
+    assert not (tmp_path / "sub").exists()
+
+
+def test_an_unfinished_log_is_refused_unless_the_run_resumes(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
+    """Seed 7 interrupted (no final line), seed 8 finished with another run appended to it that did not finish:
+    both are unfinished. They are not counted, not appended to and not deleted; train.resume continues them."""
+    def interrupt(seed, text):
+        lines = text.splitlines(keepends=True)
+        if seed == 7:
+            return "".join(line for line in lines if not line.startswith("final "))
+        return text + "".join(line for line in lines[:3])  # a second run's header, versions and config lines
+    logs = copied_logs(tiny_seed_runs, tmp_path / "logs", interrupt)
+    before = {p.name: p.read_text() for p in (tmp_path / "logs").iterdir()}
+    no_run(monkeypatch)
+    for seeds in ((7,), (8,)):
+        with pytest.raises(SystemExit, match=rf"tiny-run-s{seeds[0]}.txt holds an unfinished run .*train.resume=latest"):
+            reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, seeds, tmp_path / "sub", "--reuse", overrides=logs))
+    assert {p.name: p.read_text() for p in (tmp_path / "logs").iterdir()} == before
+
+    ran = []
+    log7 = parse_log(tiny_seed_runs.logs[0])
+
+    def fake_resume(run):
+        ran.append((run.seed, "train.resume=latest" in run.command))
+        run.returncode, run.final, run.versions = 0, dict(log7.final, run_id=run.run_id), log7.versions
+        return run
+    monkeypatch.setattr(reproduce, "run_seed", fake_resume)
+    assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
+                                    overrides=[*logs, "train.resume=latest"])) == 0
+    assert ran == [(7, True), (8, True)]
