@@ -1,5 +1,6 @@
-"""scripts.reproduce: statistics (against closed forms and scipy), the record rule on synthetic logs,
-submission.json, the commands, and real tiny CPU runs (two seeds, one failing run)."""
+"""scripts.reproduce and scripts.stats: statistics (against closed forms and scipy), the record rule on
+synthetic logs, submission.json, the commands, real tiny CPU runs (two seeds, one failing run), and seeds
+read back from their logs (--reuse)."""
 import json
 import math
 import random
@@ -11,9 +12,9 @@ import pytest
 
 from conftest import REPO, TINY_SEEDS, tiny_run_overrides
 from scripts import reproduce
-from scripts.reproduce import (SeedResult, SeedRun, betainc_regularized, build_submission, significance,
-                               student_t_sf, welch_one_sided)
+from scripts.reproduce import SeedResult, SeedRun, build_submission, significance
 from scripts.runlog import parse_log
+from scripts.stats import betainc_regularized, student_t_sf, welch_one_sided
 
 
 # ----- statistics -----
