@@ -30,7 +30,7 @@ from training.ema import maybe_ema
 from training.evaluate import audit_bytes, evaluate_bpb
 from training.export import export_model
 from training.optim import build_optimizers
-from training.run_log import RunLog, git_commit, maybe_wandb, versions
+from training.run_log import RunLog, git_commit, log_path, maybe_wandb, versions
 from training.trainer import grad_accum_steps, run_training, train_step
 
 REPO = Path(__file__).resolve().parent
@@ -74,7 +74,7 @@ def main(argv=None) -> dict:
         run_id = holder[0]
     cfg.train.run_id = run_id
     wandb_run = maybe_wandb(cfg.train.wandb and dist.rank == 0, cfg.train.wandb_project, run_id, to_dict(cfg))
-    log = RunLog(REPO / cfg.train.log_dir / f"{run_id}.txt", dist.rank == 0, wandb_run)
+    log = RunLog(log_path(cfg.train.log_dir, run_id), dist.rank == 0, wandb_run)
     log(f"run {run_id}  commit {git_commit(REPO)}  world_size {dist.world_size}  device {device}")
     log("versions " + json.dumps(versions()))
     log("config " + json.dumps(to_dict(cfg), sort_keys=True))

@@ -32,6 +32,7 @@ if str(REPO) not in sys.path:
 
 from scripts.runlog import stream_run, write_atomic  # noqa: E402
 from training.config import ConfigError, load_config  # noqa: E402
+from training.run_log import log_path  # noqa: E402
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -55,6 +56,10 @@ class Variant:
         return None
 
 
+def run_id(prefix: str, name: str) -> str:
+    return f"{prefix}-{name}"
+
+
 def parse_variant(text: str) -> Variant:
     name, sep, overrides = text.partition("=")
     if not sep or not NAME.match(name):
@@ -72,10 +77,10 @@ def check_configs(config: str, common: list[str], variants: list[Variant], prefi
         raise SystemExit(f"variant names must be unique, got {names}")
     for v in variants:
         try:
-            cfg = load_config(config, [*common, *v.overrides, f"train.run_id={prefix}-{v.name}"])  # as it will run
+            cfg = load_config(config, [*common, *v.overrides, f"train.run_id={run_id(prefix, v.name)}"])  # as it runs
         except ConfigError as e:
             raise SystemExit(f"variant {v.name}: {e}") from None
-        log = REPO / cfg.train.log_dir / f"{prefix}-{v.name}.txt"
+        log = log_path(cfg.train.log_dir, run_id(prefix, v.name))
         if log.exists() and not cfg.train.resume:  # a resumed run continues its own log
             raise SystemExit(f"variant {v.name}: {log} already exists (an earlier run with this run id); train.py "
                              "would append this run to it. hint: --prefix gives new run ids, or move the file away")
@@ -91,7 +96,7 @@ def run_all(config: str, common: list[str], variants: list[Variant], slots: list
     """One worker per slot (a GPU index, or None for a CPU slot); each takes the next waiting variant."""
     todo: queue.Queue[Variant] = queue.Queue()
     for v in variants:
-        v.run_id = f"{prefix}-{v.name}"
+        v.run_id = run_id(prefix, v.name)
         todo.put(v)
     lock = threading.Lock()
 

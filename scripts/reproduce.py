@@ -33,9 +33,10 @@ if str(REPO) not in sys.path:  # `python scripts/reproduce.py` as well as `pytho
     sys.path.insert(0, str(REPO))
 
 from quant.size import CAP_BYTES  # noqa: E402
-from scripts.runlog import LogFormatError, parse_lines, parse_log, stream_run, write_atomic  # noqa: E402
+from scripts.runlog import LogFormatError, RunLogData, parse_lines, parse_log, stream_run, write_atomic  # noqa: E402
 from scripts.stats import mean_std, welch_one_sided  # noqa: E402
 from training.config import Config, ConfigError, load_config, to_dict  # noqa: E402
+from training.run_log import log_path  # noqa: E402
 
 RECORD_MARGIN_NATS = 0.005   # a new record must beat the best by this much in val_loss ...
 RECORD_ALPHA = 0.01          # ... at this one-sided significance level
@@ -68,14 +69,20 @@ def hardware(versions: dict, world_size: int) -> str:
     return f"{world_size}x {gpu}" if gpu else f"cpu ({world_size} process{'es' if world_size > 1 else ''})"
 
 
-def build_submission(name: str, github_id: str, results: list[SeedResult], *, code_bytes: int | None = None,
-                     significance_block: dict | None = None) -> dict:
-    """The challenge's submission.json. code_bytes replaces the runs' own count when the shipped code
-    differs from what the runs measured (a record folder ships one generated train_gpt.py)."""
+def check_one_stack(results: list) -> None:
+    """Runs that are compared, or summed into one submission, must share hardware and software versions
+    (SeedResult or SeedRun: seed, versions, world_size)."""
     stacks = {json.dumps([hardware(r.versions, r.world_size), r.versions], sort_keys=True) for r in results}
     if len(stacks) > 1:
         raise ValueError("runs come from different hardware or software versions: "
                          + "; ".join(f"seed {r.seed}: {hardware(r.versions, r.world_size)} {r.versions}" for r in results))
+
+
+def build_submission(name: str, github_id: str, results: list[SeedResult], *, code_bytes: int | None = None,
+                     significance_block: dict | None = None) -> dict:
+    """The challenge's submission.json. code_bytes replaces the runs' own count when the shipped code
+    differs from what the runs measured (a record folder ships one generated train_gpt.py)."""
+    check_one_stack(results)
     code = code_bytes if code_bytes is not None else max(r.final["code_bytes"] for r in results)
     per_seed = {str(r.seed): {"run_id": r.final["run_id"], "val_bpb": r.final["val_bpb"],
                               "val_loss": r.final["val_loss"], "pre_quant_val_bpb": r.final.get("pre_quant_val_bpb"),
@@ -179,22 +186,10 @@ def config_differences(logged: dict, expected: dict) -> list[str]:
             and not (key not in a and key in default and b.get(key) == default[key])]
 
 
-def is_finished(path: Path) -> bool:
-    """A log ends with its run's `final` line: one after the last `config` line (a run appended after a
-    finished one starts with a new config line; a resumed run writes its config again, then goes on)."""
-    last = {}
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f):
-            kind = line.split(" ", 1)[0]
-            if kind in ("config", "final"):
-                last[kind] = number
-    return "final" in last and last["final"] > last.get("config", -1)
-
-
-def reuse_seed(run: SeedRun, path: Path, config: str, overrides: list[str], world_size: int) -> SeedRun:
-    """Read a finished run of this seed back from its log, after checking that it is a run of this command's
+def reuse_seed(run: SeedRun, log: RunLogData, config: str, overrides: list[str], world_size: int) -> SeedRun:
+    """Count a finished run of this seed from its log, after checking that it is a run of this command's
     config on as many processes, and that it succeeded (a failed run is not silently counted)."""
-    log = parse_log(path)
+    path = log.source
     expected = to_dict(load_config(config, [*overrides, f"train.seed={run.seed}", f"train.run_id={run.run_id}"]))
     differences = config_differences(log.config, json.loads(json.dumps(expected)))
     if differences:
@@ -214,15 +209,16 @@ def reuse_seed(run: SeedRun, path: Path, config: str, overrides: list[str], worl
     return run
 
 
-def check_existing_logs(runs: list[SeedRun], log_dir: Path, *, reuse: bool, resume: bool, config: str,
+def check_existing_logs(runs: list[SeedRun], log_dir: str, *, reuse: bool, resume: bool, config: str,
                         overrides: list[str], world_size: int) -> None:
     """Before anything runs: each seed's log is absent; or it holds a finished run of this config, counted
     with reuse; or an unfinished one that train.resume continues (train.py appends to the log)."""
     for run in runs:
-        path = log_dir / f"{run.run_id}.txt"
+        path = log_path(log_dir, run.run_id)
         if not path.exists():
             continue
-        if not is_finished(path):
+        log = parse_log(path)
+        if log.final is None:  # interrupted, or another run appended after a finished one
             if resume:
                 continue
             raise SystemExit(f"reproduce: {path} holds an unfinished run of seed {run.seed}; hint: "
@@ -232,12 +228,11 @@ def check_existing_logs(runs: list[SeedRun], log_dir: Path, *, reuse: bool, resu
             raise SystemExit(f"reproduce: {path} already exists (a finished run of seed {run.seed}); train.py would "
                              "append this run to it. hint: --reuse counts that run, --name gives new run ids, or "
                              "move the file away")
-        reuse_seed(run, path, config, overrides, world_size)
-    reused = [r for r in runs if r.reused]
-    stacks = {json.dumps([hardware(r.versions, r.world_size), r.versions], sort_keys=True) for r in reused}
-    if len(stacks) > 1:
-        raise SystemExit("reproduce: the reused logs come from different hardware or software: "
-                         + "; ".join(f"seed {r.seed}: {hardware(r.versions, r.world_size)} {r.versions}" for r in reused))
+        reuse_seed(run, log, config, overrides, world_size)
+    try:
+        check_one_stack([r for r in runs if r.reused])
+    except ValueError as e:
+        raise SystemExit(f"reproduce: the reused logs: {e}") from None
 
 
 def print_summary(runs: list[SeedRun], sig: dict | None) -> None:
@@ -308,7 +303,7 @@ def main(argv=None) -> int:
         # a typo fails now, not after the first seed's hours (as seed 1 will run: train.resume needs a run id)
         cfg = load_config(a.config, [*a.overrides, f"train.seed={runs[0].seed}", f"train.run_id={runs[0].run_id}"])
         baseline = baseline_losses(a.baseline) if a.baseline else None
-        check_existing_logs(runs, REPO / cfg.train.log_dir, reuse=a.reuse, resume=bool(cfg.train.resume),
+        check_existing_logs(runs, cfg.train.log_dir, reuse=a.reuse, resume=bool(cfg.train.resume),
                             config=a.config, overrides=a.overrides, world_size=a.nproc_per_node or 1)
     except (ConfigError, LogFormatError, FileNotFoundError) as e:
         raise SystemExit(f"reproduce: {e}") from None
@@ -320,7 +315,7 @@ def main(argv=None) -> int:
     if baseline is not None and len(good) >= 2:
         sig = significance([r.final["val_loss"] for r in good], *baseline)
     print_summary(runs, sig)
-    print("logs: " + " ".join(str(REPO / cfg.train.log_dir / f"{r.run_id}.txt") for r in runs))
+    print("logs: " + " ".join(str(log_path(cfg.train.log_dir, r.run_id)) for r in runs))
     if len(good) < len(runs):
         print(f"{len(runs) - len(good)} of {len(runs)} seed(s) failed; no submission.json written", file=sys.stderr)
         return 1

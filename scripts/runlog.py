@@ -107,8 +107,8 @@ def _apply_line(log: RunLogData, line: str, where: str) -> None:
         _append_in_order(log.evals, record, where)
     elif kind == "final":
         log.final = record
-    elif kind == "config":
-        log.config = record
+    elif kind == "config":  # a run's first record: one appended after a finished run is not that run's final
+        log.config, log.final = record, None
     else:
         log.versions = record
 

@@ -59,6 +59,15 @@ def test_resumed_log_keeps_one_trajectory():
     assert log.world_size == 2
 
 
+def test_a_run_appended_after_a_finished_one_has_no_final_yet():
+    """train.py appends to its log: the earlier run's final line is not the result of the run after it."""
+    finished = ['config {"train": {"seed": 1}}', 'step {"step": 1, "loss": 5.0}', 'final {"val_bpb": 1.5}']
+    assert parse_lines(finished, "a.txt").final == {"val_bpb": 1.5}
+    appended = parse_lines([*finished, "run r  commit x  world_size 1  device cpu", 'config {"train": {"seed": 2}}'],
+                           "a.txt")
+    assert appended.final is None and appended.config == {"train": {"seed": 2}}
+
+
 def test_bad_json_names_file_and_line():
     with pytest.raises(LogFormatError, match=r"broken.txt:2: `step` line is not valid JSON"):
         parse_lines(['step {"step": 1, "loss": 5.0}', 'step {"step": 2, "loss"'], "broken.txt")

@@ -12,6 +12,14 @@ from typing import Any
 
 import torch
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def log_path(log_dir: str, run_id: str) -> Path:
+    """Where train.py writes run `run_id`'s log: <train.log_dir>/<run_id>.txt, a relative log_dir taken from
+    the repository root (the scripts that look for a run's log ask here)."""
+    return REPO / log_dir / f"{run_id}.txt"
+
 
 def git_commit(repo: Path) -> str:
     try:
