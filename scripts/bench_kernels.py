@@ -56,11 +56,12 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
                     dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=2),
                     dict(BT=16, BC=64, num_warps=4, APPLY_PASS=True), dict(BT=16, BC=64, num_warps=2),
                     dict(BT=32, BC=64, num_warps=4, APPLY_PASS=True, ZIGZAG=False),
-                    dict(BT=16, BC=256, num_warps=4),
-                    # One token row per thread, as stream_bwd's fastest block (not timed yet). Compiled for sm_90
-                    # on the CPU (scripts/kernel_resources.py, session 12) at n=4 with the apply: 128 registers and
-                    # no spills, against 255 and 280 B of spills for 32 x 128.
-                    dict(BT=32, BC=16, num_warps=2), dict(BT=64, BC=16, num_warps=4)],
+                    dict(BT=16, BC=256, num_warps=4)],
+    # Dropped on an H100 (session 13, as in session 6): one token row per thread, like stream_bwd's fastest
+    # block. Compiled for sm_90 on the CPU it needs 128 registers and no spills at n=4 with the apply (32 x 128:
+    # 255 and 280 B of spills), yet 32 x 16 on 2 warps took 1.030 / 0.523 ms (n=4 / n=2) and 64 x 16 on 4 warps
+    # 1.040 / 0.624, against 0.674 / 0.291 for the defaults; without the apply, 64 x 16 took 0.561 / 0.285
+    # against 0.338 / 0.193.
     # coef_premix without the apply (mhc_pre, the first sublayer: x in, u out); the first row is the default at
     # every n. Session 11 (H100, ms, n=4 / n=2): 64/64 0.337 / 0.194, 32/64 0.415-0.421 / 0.202, 16/64
     # 0.596-0.599 / 0.306-0.307, 32/128 0.544 (128 KB of shared memory: one program per SM) / 0.211, 16/128
@@ -70,10 +71,7 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     "coef_premix_pre": [dict(BT=64, BC=64, num_warps=4), dict(BT=32, BC=64, num_warps=4),
                         dict(BT=16, BC=64, num_warps=4), dict(BT=32, BC=128, num_warps=4),
                         dict(BT=16, BC=128, num_warps=4), dict(BT=32, BC=64, num_warps=8),
-                        dict(BT=64, BC=64, num_warps=8), dict(BT=64, BC=32, num_warps=4),
-                        # one token row per thread (not timed yet): 60 registers and 28 KB of shared memory at
-                        # n=4 on the CPU's compile, against 128 registers for 64 x 64
-                        dict(BT=64, BC=16, num_warps=4)],
+                        dict(BT=64, BC=64, num_warps=8), dict(BT=64, BC=32, num_warps=4)],
     "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
                  dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
     # GP_SCRATCH (G phi^T through the dx tile, kernels/mhc_bwd.py) takes n=4 from 255 registers to 159-172 at
