@@ -109,6 +109,26 @@ def test_submission_fields():
         build_submission("mhc", "me", [results[0], SeedResult(3, final(3, 1.9, 1), {**gpu, "torch": "2.12"}, 8)])
 
 
+KEPT_GPU_LOGS = {1337: 1.3139540611233271, 42: 1.3106258461496454}  # docs/run_logs/README.md
+
+
+def test_the_kept_h100_logs_make_one_submission():
+    """The GPU logs kept in docs/run_logs (train.py's own output on an H100, read by the next session's
+    comparison as --baseline or through --reuse) still parse as finished single-GPU runs of one software
+    stack, and give the val_bpb that docs/benchmarks.md quotes."""
+    folder = REPO / "docs" / "run_logs"
+    results = []
+    for seed, val_bpb in KEPT_GPU_LOGS.items():
+        log = parse_log(folder / f"n1-s{seed}.txt")
+        assert log.final is not None and log.final["run_id"] == f"n1-s{seed}" and log.final["fits_cap"]
+        assert log.final["val_bpb"] == val_bpb and log.config["train"]["seed"] == seed
+        assert log.config["model"]["n_streams"] == 1 and log.config["model"]["mhc_blocks"] == 0
+        results.append(SeedResult(seed, log.final, log.versions, log.world_size))
+    sub = build_submission("n1", "me", results)
+    assert sub["hardware"] == "1x NVIDIA H100 80GB HBM3" and sub["versions"]["torch"].startswith("2.11")
+    assert sub["val_bpb"] == pytest.approx(1.31229, abs=1e-5)
+
+
 def test_seed_run_problems():
     ok = SeedRun(1, "r", [], returncode=0, final=final(1, 1.9, 15_000_000))
     assert ok.problem() is None
