@@ -76,11 +76,12 @@ def check_configs(config: str, common: list[str], variants: list[Variant], prefi
     if len(set(names)) != len(names):
         raise SystemExit(f"variant names must be unique, got {names}")
     for v in variants:
+        rid = run_id(prefix, v.name)
         try:
-            cfg = load_config(config, [*common, *v.overrides, f"train.run_id={run_id(prefix, v.name)}"])  # as it runs
+            cfg = load_config(config, [*common, *v.overrides, f"train.run_id={rid}"])  # as it will run
         except ConfigError as e:
             raise SystemExit(f"variant {v.name}: {e}") from None
-        log = log_path(cfg.train.log_dir, run_id(prefix, v.name))
+        log = log_path(cfg.train.log_dir, rid)
         if log.exists() and not cfg.train.resume:  # a resumed run continues its own log
             raise SystemExit(f"variant {v.name}: {log} already exists (an earlier run with this run id); train.py "
                              "would append this run to it. hint: --prefix gives new run ids, or move the file away")

@@ -191,6 +191,7 @@ def reuse_seed(run: SeedRun, log: RunLogData, config: str, overrides: list[str],
     config on as many processes, and that it succeeded (a failed run is not silently counted)."""
     path = log.source
     expected = to_dict(load_config(config, [*overrides, f"train.seed={run.seed}", f"train.run_id={run.run_id}"]))
+    # through JSON as train.py logged it (tuples become lists), so equal values compare equal
     differences = config_differences(log.config, json.loads(json.dumps(expected)))
     if differences:
         raise SystemExit(f"reproduce: {path} is a run of another config, so --reuse cannot count it for seed "

@@ -176,6 +176,7 @@ def test_load_tokens_max_tokens_takes_a_prefix_and_skips_later_shards(shards, mo
     with pytest.raises(ValueError, match="max_tokens=-1"):
         load_tokens(files[:3], max_tokens=-1)
 
+
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_validation_batches_cover_split_once_in_order(shards, world_size):
     files, sizes = shards

@@ -424,7 +424,7 @@ def test_bench_kernel_bytes_count_what_each_launch_of_the_unit_passes():
     pytest.importorskip("triton")
     from kernels.mhc_bwd import launch_coef_bwd, launch_dphi, launch_stream_bwd
     from kernels.mhc_fwd import launch_coef_premix
-    from scripts.bench_kernels import floor_bytes_per_token, kernel_bytes_per_token
+    from scripts.bench_kernels import design_bound, floor_bytes_per_token, kernel_bytes_per_token
     from scripts.kernel_resources import Recorder, kernel_name
 
     T, C = 1000, 64
@@ -449,7 +449,6 @@ def test_bench_kernel_bytes_count_what_each_launch_of_the_unit_passes():
     # n=4, C=512: 35,832 bytes, 1.37x the floor's 26,200 (docs/benchmarks.md, session 12)
     assert sum(kernel_bytes_per_token(4, 512).values()) == 35_832
     assert floor_bytes_per_token(4, 512)["fwd"] == kernel_bytes_per_token(4, 512)["coef_premix"]
-    from scripts.bench_kernels import design_bound
     assert design_bound(4, 512).endswith("sum 35832 = 1.37x the floor, so at copy bandwidth this design reaches "
                                          "73.1% of the floor at most")
 
