@@ -214,14 +214,6 @@ def apply_streams(xs, y, h_res, h_post, n: tl.constexpr):
 
 
 @triton.jit
-def tile_start(k, tiles, REVERSE: tl.constexpr):
-    """The k-th channel tile of a pass, counted from the last tile when REVERSE."""
-    if REVERSE:
-        return tiles - 1 - k
-    return k
-
-
-@triton.jit
 def pre_gates(raw_ptr, alpha_ptr, bias_ptr, t64, tmask, N: tl.constexpr, n: tl.constexpr):
     """(H_pre[:, j]) as [BT] vectors: sigmoid(alpha_pre * raw_pre + bias_pre), from the stored raw."""
     a_pre = tl.load(alpha_ptr)

@@ -22,8 +22,7 @@ try:
     from torch.library import triton_op, wrap_triton
 
     from kernels._triton_util import INTERPRET
-    from kernels.mhc_bwd import launch_stream_bwd
-    from kernels.mhc_bwd_fused import launch_backward
+    from kernels.mhc_bwd import launch_coef_bwd, launch_dphi, launch_stream_bwd
     from kernels.mhc_fwd import launch_apply, launch_coef_premix
     HAVE_TRITON = True
 except ImportError:  # no triton on this platform: the reference serves every call
@@ -80,8 +79,9 @@ if HAVE_TRITON:
                  du: Tensor, dh_post: Tensor, dh_res: Tensor, iters: int
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         x = x.contiguous()
-        dx, _, _, _, dphi, dalpha, dbias = launch_backward(wrap_triton, x, None, None, None, None, x, du, dh_post,
-                                                           dh_res, raw, rinv, alpha, bias, phi, iters)
+        aux, dalpha, dbias = launch_coef_bwd(wrap_triton, x, du, dh_post, dh_res, raw, rinv, alpha, bias, iters)
+        dx, _, _, _ = launch_stream_bwd(wrap_triton, x, None, None, None, None, du, aux, phi)
+        dphi = launch_dphi(wrap_triton, x, aux)
         return dx, dphi.to(phi.dtype), dalpha.to(alpha.dtype), dbias.to(bias.dtype)
 
     def _pre_setup(ctx, inputs, output):
@@ -135,8 +135,9 @@ if HAVE_TRITON:
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         x, y = x.contiguous(), y.contiguous()
         h_res, h_post = h_res.contiguous(), h_post.contiguous()
-        dx, dy, dh_res_in, dh_post_in, dphi, dalpha, dbias = launch_backward(
-            wrap_triton, x, y, h_res, h_post, dx_new, x_new, du, dh_post, dh_res, raw, rinv, alpha, bias, phi, iters)
+        aux, dalpha, dbias = launch_coef_bwd(wrap_triton, x_new, du, dh_post, dh_res, raw, rinv, alpha, bias, iters)
+        dx, dy, dh_res_in, dh_post_in = launch_stream_bwd(wrap_triton, x, y, h_res, h_post, dx_new, du, aux, phi)
+        dphi = launch_dphi(wrap_triton, x_new, aux)
         return (dx, dh_res_in.to(h_res.dtype), dh_post_in.to(h_post.dtype), dy, dphi.to(phi.dtype),
                 dalpha.to(alpha.dtype), dbias.to(bias.dtype))
 

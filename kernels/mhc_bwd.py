@@ -13,7 +13,6 @@ Three passes, because every stream gradient needs dH_pre, a reduction over all n
   dphi: d(phi) = x'^T G, a skinny product over all tokens, as per-program partials summed afterwards.
     It reads x' once more; folding it into stream_bwd (an [n*C, N] accumulator per program) spilled
     registers and ran that kernel at 28% of peak DRAM throughput (H100, ncu, session 4).
-kernels/mhc_bwd_fused.py runs the first three as one kernel from the pieces here (coef_grads, stream_grads).
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ import triton.language as tl
 
 from kernels._triton_util import (apply_stream, channel_block, load_mixing, load_streams, num_coefficients,
                                   padded_columns, phi_operand, program_slots, sigmoid, sinkhorn_bwd,
-                                  store_streams, tile_start)
+                                  store_streams)
 
 
 @triton.jit
@@ -50,16 +49,15 @@ def premix_grad_kernel(xs_ptr, du_ptr, dhpre_ptr, T, C, n: tl.constexpr, BT: tl.
 
 
 @triton.jit
-def _gate_grads(dh, raw_row, t64, tmask, alpha, bias_ptr, aux_row, part, g_dot_raw, rinv,
+def _gate_grads(dh_ptr, raw_row, t64, tmask, alpha, bias_ptr, aux_row, part, g_dot_raw, rinv,
                 START: tl.constexpr, SCALE: tl.constexpr, N: tl.constexpr, n: tl.constexpr):
-    """Sigmoid gates h = SCALE * sigmoid(alpha * raw + bias) of columns [START, START+n), given their
-    gradients dh (n [BT] vectors): stores G and the d(bias) partials; returns (g_dot_raw + sum d(raw) * raw,
-    this program's d(alpha))."""
+    """Sigmoid gates h = SCALE * sigmoid(alpha * raw + bias) of columns [START, START+n): stores G and
+    the d(bias) partials; returns (g_dot_raw + sum d(raw) * raw, this program's d(alpha))."""
     dalpha = 0.0
     for j in tl.static_range(n):
         raw_j = tl.load(raw_row + START + j, mask=tmask, other=0.0)
         s_j = sigmoid(alpha * raw_j + tl.load(bias_ptr + START + j))
-        dl_j = dh[j] * SCALE * s_j * (1.0 - s_j)
+        dl_j = tl.load(dh_ptr + t64 * n + j, mask=tmask, other=0.0) * SCALE * s_j * (1.0 - s_j)
         g_dot_raw += alpha * dl_j * raw_j
         tl.store(aux_row + START + j, rinv * alpha * dl_j, mask=tmask)
         if START == 0:  # H_pre itself, for the stream pass
@@ -70,37 +68,42 @@ def _gate_grads(dh, raw_row, t64, tmask, alpha, bias_ptr, aux_row, part, g_dot_r
 
 
 @triton.jit
-def load_columns(ptr, t64, tmask, n: tl.constexpr):
-    """(ptr[t, 0], ..., ptr[t, n-1]) of a [T, n] fp32 tensor, as n [BT] vectors."""
-    cols = ()
-    for j in tl.static_range(n):
-        cols = cols + (tl.load(ptr + t64 * n + j, mask=tmask, other=0.0),)
-    return cols
+def coef_bwd_kernel(
+    dhpre_ptr, dhpost_ptr, dhres_ptr, raw_ptr, rinv_ptr, alpha_ptr, bias_ptr, aux_ptr, part_ptr, T, K,
+    n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr, SEG: tl.constexpr,
+    BT: tl.constexpr,
+):
+    """Per token (one per thread): gradients of the coefficient logits, folded into
+    aux[t] = (G = inv_rms * d(raw) in columns [0, N), rms factor in column N, H_pre in columns
+    [N+1, N+1+n), zeros after: G phi^T ignores every column past N, phi having only N).
 
-
-@triton.jit
-def coef_grads(dh_pre, dhpost_ptr, dhres_ptr, raw_ptr, rinv_ptr, alpha_ptr, bias_ptr, aux_ptr, part, t64, tmask, K,
-               n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr, SEG: tl.constexpr):
-    """Gradients of the coefficient logits of tokens t64, given dH_pre (n [BT] vectors): writes aux[t]
-    (G = inv_rms * d(raw) in columns [0, N), the rms factor in column N, H_pre in columns [N+1, N+1+n),
-    zeros after) and this program's d(bias) [N] and d(alpha) [3] partial sums at `part`."""
+    raw = (x'.phi) * inv_rms, inv_rms = (sum x'^2 / K + eps)^-1/2, logit = alpha * raw + bias, so
+    dx' = G phi^T + x' * rms_factor with rms_factor = -inv_rms^2 / K * sum(d(raw) * raw).
+    Each program also writes its share of d(bias) [N] and d(alpha) [3] (summed afterwards).
+    """
+    pid = tl.program_id(0)
+    t = pid * BT + tl.arange(0, BT)
+    tmask = t < T          # masked tokens load zero gradients, so all their terms are zero
+    t64 = t.to(tl.int64)
     rinv = tl.load(rinv_ptr + t64, mask=tmask, other=0.0)
     raw_row = raw_ptr + t64 * N
     aux_row = aux_ptr + t64 * NP
-    g_dot_raw = tl.zeros_like(rinv)
-    g_dot_raw, dalpha_pre = _gate_grads(dh_pre, raw_row, t64, tmask, tl.load(alpha_ptr), bias_ptr, aux_row,
+    part = part_ptr + pid * (N + 3)
+    g_dot_raw = tl.zeros([BT], tl.float32)
+    g_dot_raw, dalpha_pre = _gate_grads(dhpre_ptr, raw_row, t64, tmask, tl.load(alpha_ptr), bias_ptr, aux_row,
                                         part, g_dot_raw, rinv, 0, 1.0, N, n)
-    g_dot_raw, dalpha_post = _gate_grads(load_columns(dhpost_ptr, t64, tmask, n), raw_row, t64, tmask,
-                                         tl.load(alpha_ptr + 1), bias_ptr, aux_row, part, g_dot_raw, rinv, n, 2.0,
-                                         N, n)
+    g_dot_raw, dalpha_post = _gate_grads(dhpost_ptr, raw_row, t64, tmask, tl.load(alpha_ptr + 1), bias_ptr,
+                                         aux_row, part, g_dot_raw, rinv, n, 2.0, N, n)
     a_res = tl.load(alpha_ptr + 2)
     raw_res = ()
     logits = ()
+    dh_res = ()
     for ij in tl.static_range(n * n):
         raw_ij = tl.load(raw_row + 2 * n + ij, mask=tmask, other=0.0)
         raw_res = raw_res + (raw_ij,)
         logits = logits + (a_res * raw_ij + tl.load(bias_ptr + 2 * n + ij),)
-    dl_res = sinkhorn_bwd(logits, load_columns(dhres_ptr, t64, tmask, n * n), ITERS, SEG, n)
+        dh_res = dh_res + (tl.load(dhres_ptr + t64 * (n * n) + ij, mask=tmask, other=0.0),)
+    dl_res = sinkhorn_bwd(logits, dh_res, ITERS, SEG, n)
     dalpha_res = 0.0
     for ij in tl.static_range(n * n):
         g_dot_raw += a_res * dl_res[ij] * raw_res[ij]
@@ -109,30 +112,10 @@ def coef_grads(dh_pre, dhpost_ptr, dhres_ptr, raw_ptr, rinv_ptr, alpha_ptr, bias
         dalpha_res += tl.sum(dl_res[ij] * raw_res[ij], axis=0)
     tl.store(aux_row + N, -(rinv * rinv / K) * g_dot_raw, mask=tmask)
     for q in tl.static_range(N + 1 + n, NP):
-        tl.store(aux_row + q, tl.zeros_like(rinv), mask=tmask)
+        tl.store(aux_row + q, tl.zeros([BT], tl.float32), mask=tmask)
     tl.store(part + N, dalpha_pre)
     tl.store(part + N + 1, dalpha_post)
     tl.store(part + N + 2, dalpha_res)
-
-
-@triton.jit
-def coef_bwd_kernel(
-    dhpre_ptr, dhpost_ptr, dhres_ptr, raw_ptr, rinv_ptr, alpha_ptr, bias_ptr, aux_ptr, part_ptr, T, K,
-    n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr, SEG: tl.constexpr,
-    BT: tl.constexpr,
-):
-    """Per token (one per thread): coef_grads of dH_pre as premix_grad stored it.
-
-    raw = (x'.phi) * inv_rms, inv_rms = (sum x'^2 / K + eps)^-1/2, logit = alpha * raw + bias, so
-    dx' = G phi^T + x' * rms_factor with rms_factor = -inv_rms^2 / K * sum(d(raw) * raw).
-    Each program writes its share of d(bias) [N] and d(alpha) [3] (summed afterwards).
-    """
-    pid = tl.program_id(0)
-    t = pid * BT + tl.arange(0, BT)
-    tmask = t < T          # masked tokens load zero gradients, so all their terms are zero
-    t64 = t.to(tl.int64)
-    coef_grads(load_columns(dhpre_ptr, t64, tmask, n), dhpost_ptr, dhres_ptr, raw_ptr, rinv_ptr, alpha_ptr,
-               bias_ptr, aux_ptr, part_ptr + pid * (N + 3), t64, tmask, K, n, N, NP, ITERS, SEG)
 
 
 @triton.jit
@@ -143,16 +126,17 @@ def _g_phi(g, phit_ptr, col, k, kmask, N: tl.constexpr, K):
 
 
 @triton.jit
-def stream_grads(
-    x_ptr, y_ptr, h_res, h_post, dxo_ptr, du_ptr, aux_ptr, phit_ptr, dx_ptr, dy_ptr, dhres_ptr, dhpost_ptr,
-    t64, tmask, C,
+def stream_bwd_kernel(
+    x_ptr, y_ptr, hres_ptr, hpost_ptr, dxo_ptr,               # apply inputs, grad of the new streams
+    du_ptr, aux_ptr, phit_ptr,                                 # coefficient path; phit = phi^T [N, n*C]
+    dx_ptr, dy_ptr, dhres_ptr, dhpost_ptr,
+    T, C,
     n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-    APPLY: tl.constexpr, COEF: tl.constexpr, LOWP: tl.constexpr, GP_SCRATCH: tl.constexpr, REVERSE: tl.constexpr,
+    APPLY: tl.constexpr, COEF: tl.constexpr, LOWP: tl.constexpr, GP_SCRATCH: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr,
 ):
-    """The stream gradients of tokens t64 (h_res, h_post: their apply coefficients as [BT] vectors). One
-    program walks the tokens' channels in tiles of BC (from the last tile with REVERSE), so the per-token sums
-    over channels (dH_res, dH_post) finish in registers and are stored once. No d(phi) here (dphi_kernel):
+    """One program owns BT tokens and walks their channels in tiles of BC, so the per-token sums over
+    channels (dH_res, dH_post) finish in registers and are stored once. No d(phi) here (dphi_kernel):
     its [n*C, N] accumulator is what spilled the channel-major version of this kernel.
     LOWP (bf16 streams): G phi^T takes operands in the stream dtype (fp32 accumulate).
     GP_SCRATCH: G phi^T goes through the program's own dx tile (stored in the stream dtype, reloaded,
@@ -161,9 +145,13 @@ def stream_grads(
     layout conversions); the reload keeps the loop in the loads' layout (n=4: 159-172 registers at
     4 elements per thread, sm_90, no spill). Rounding G phi^T to the stream dtype is what the
     reference's bf16 matmul output does."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = t < T
+    t64 = t.to(tl.int64)
     K = n * C
     row = t64 * K
     if APPLY:
+        h_res, h_post = load_mixing(hres_ptr, hpost_ptr, t64, tmask, n)
         dh_res = ()
         for ij in tl.static_range(n * n):
             dh_res = dh_res + (tl.zeros([BT], tl.float32),)
@@ -180,9 +168,8 @@ def stream_grads(
         for i in tl.static_range(n):
             h_pre = h_pre + (tl.load(aux_ptr + t64 * NP + N + 1 + i, mask=tmask, other=0.0),)
 
-    tiles = tl.cdiv(C, BC)
-    for k in range(0, tiles):
-        c = tile_start(k, tiles, REVERSE) * BC + tl.arange(0, BC)
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)
         cmask = c < C
         m2 = tmask[:, None] & cmask[None, :]
         xs = load_streams(x_ptr, row, c, m2, C, n, KEEP_DTYPE=True)
@@ -243,28 +230,6 @@ def stream_grads(
             tl.store(dhres_ptr + t64 * (n * n) + ij, dh_res[ij], mask=tmask)
         for i in tl.static_range(n):
             tl.store(dhpost_ptr + t64 * n + i, dh_post[i], mask=tmask)
-
-
-@triton.jit
-def stream_bwd_kernel(
-    x_ptr, y_ptr, hres_ptr, hpost_ptr, dxo_ptr,               # apply inputs, grad of the new streams
-    du_ptr, aux_ptr, phit_ptr,                                 # coefficient path; phit = phi^T [N, n*C]
-    dx_ptr, dy_ptr, dhres_ptr, dhpost_ptr,
-    T, C,
-    n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-    APPLY: tl.constexpr, COEF: tl.constexpr, LOWP: tl.constexpr, GP_SCRATCH: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr,
-):
-    """stream_grads for BT tokens, G and the rest of the coefficient path read from aux (coef_bwd)."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    tmask = t < T
-    t64 = t.to(tl.int64)
-    if APPLY:
-        h_res, h_post = load_mixing(hres_ptr, hpost_ptr, t64, tmask, n)
-    else:
-        h_res, h_post = 0.0, 0.0
-    stream_grads(x_ptr, y_ptr, h_res, h_post, dxo_ptr, du_ptr, aux_ptr, phit_ptr, dx_ptr, dy_ptr, dhres_ptr,
-                 dhpost_ptr, t64, tmask, C, n, N, NP, APPLY, COEF, LOWP, GP_SCRATCH, False, BT, BC)
 
 
 @triton.jit

@@ -18,8 +18,16 @@ import triton.language as tl
 
 from kernels._triton_util import (apply_streams, channel_block, check_streams, load_mixing, load_streams,
                                   num_coefficients, padded_columns, phi_operand, pre_gates, sigmoid,
-                                  sinkhorn_fwd, store_streams, tile_start)
+                                  sinkhorn_fwd, store_streams)
 from kernels.mhc_reference import RMS_EPS
+
+
+@triton.jit
+def _tile_start(k, tiles, REVERSE: tl.constexpr):
+    """The k-th channel tile of a pass, counted from the last tile when REVERSE."""
+    if REVERSE:
+        return tiles - 1 - k
+    return k
 
 
 @triton.jit
@@ -54,7 +62,7 @@ def coef_premix_kernel(
     tiles = tl.cdiv(C, BC)
     if APPLY and APPLY_PASS:  # pass 0: x' for all of this program's channels, then one barrier
         for k in range(0, tiles):
-            c = tile_start(k, tiles, ZIGZAG) * BC + tl.arange(0, BC)
+            c = _tile_start(k, tiles, ZIGZAG) * BC + tl.arange(0, BC)
             m2 = tmask[:, None] & (c < C)[None, :]
             y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
             xs = apply_streams(load_streams(x_ptr, row, c, m2, C, n), y, h_res_in, h_post_in, n)
@@ -109,7 +117,7 @@ def coef_premix_kernel(
 
     # Pass 2: the pre-mix re-reads this program's streams (x' as written in pass 0 or 1, from L2).
     for k in range(0, tiles):
-        c = tile_start(k, tiles, ZIGZAG) * BC + tl.arange(0, BC)
+        c = _tile_start(k, tiles, ZIGZAG) * BC + tl.arange(0, BC)
         m2 = tmask[:, None] & (c < C)[None, :]
         xs = load_streams(src_ptr, row, c, m2, C, n)
         u = h_pre[0][:, None] * xs[0]

@@ -12,11 +12,10 @@ compared with the floor set by the bytes that must move (printed per token) at t
 copy bandwidth measured in the same run. `triton-graph` (not in the default set) replays each pass of
 the Triton unit from a CUDA graph: device time only, without the gaps a slow host leaves between eager
 launches (short units, as at n=2, can be host-bound). `--sweep` also times each Triton kernel alone
-under several block configurations. `--profile-once` times nothing: it runs the Triton unit's forward and
-backward twice (the first compiles) for a profiler to read; the mHC kernels of the second run are three with the
-fused backward (coef_premix, fused_bwd, dphi), five without it (premix_grad, coef_bwd, stream_bwd in place of fused_bwd):
-    ncu --clock-control none --kernel-name regex:"coef_premix|premix_grad|coef_bwd|stream_bwd|fused_bwd|dphi"
-        --launch-skip 3 --launch-count 3 python scripts/bench_kernels.py mhc --tokens 98304 --profile-once
+under several block configurations. `--profile-once` times nothing: it runs the Triton unit's forward and backward
+twice (the first compiles) for a profiler to read; the five mHC kernels of the second run are
+    ncu --clock-control none --kernel-name regex:"coef_premix|premix_grad|coef_bwd|stream_bwd|dphi"
+        --launch-skip 5 --launch-count 5 python scripts/bench_kernels.py mhc --tokens 98304 --profile-once
 """
 from __future__ import annotations
 
@@ -82,16 +81,16 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     # n=2: 0.43-0.55 ms). G phi^T as rank-one updates on the CUDA cores in the loads' layout (GP_FMA, session 9:
     # 225-250 registers and no spill at n=4, sm_90) lost on every block: n=4 1.770-2.715 ms against 1.025, n=2
     # 0.359-0.824 against 0.340 (H100); removed.
+    # A fused backward (premix_grad + coef_bwd + stream_bwd as one kernel: pass A over the channels for dH_pre with
+    # x' recomputed, the gate and Sinkhorn gradients in registers, then stream_bwd's loop backwards over the tiles so
+    # that it rereads pass A's last tiles first) lost at its fastest block on an H100 (session 14, commit f62d499):
+    # n=4 1.449 ms (32/16 on 2 warps; 8 blocks 1.449-2.724) against 0.284 + 1.027 for the three kernels, n=2 0.541
+    # (16/64/4 warps GP_SCRATCH) against 0.160 + 0.341. Likely (not profiled): pass A runs at the occupancy that the
+    # heaviest part sets (stream_bwd's registers), where premix_grad alone streams near copy bandwidth, and what
+    # pass B gains from L2 does not make up for it. Removed (docs/benchmarks.md, session 14).
     "stream_bwd": [dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4), dict(BT=64, BC=16, num_warps=4),
                    dict(BT=32, BC=16, num_warps=2, GP_SCRATCH=True), dict(BT=16, BC=64, num_warps=8, GP_SCRATCH=True),
                    dict(BT=16, BC=64, num_warps=4, GP_SCRATCH=True)],
-    # The fused backward (kernels/mhc_bwd_fused.py: premix_grad + coef_bwd + stream_bwd in one kernel); its pass B
-    # is stream_bwd's loop, so it starts from stream_bwd's blocks (sm_90 compile on the CPU, session 14: n=4 32 x 16
-    # on 2 warps 255 registers and 64 B of spills with the apply, 16 x 64 GP_SCRATCH on 4 warps 253 and none).
-    "fused_bwd": [dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4), dict(BT=64, BC=16, num_warps=4),
-                  dict(BT=32, BC=16, num_warps=2, GP_SCRATCH=True), dict(BT=16, BC=64, num_warps=8, GP_SCRATCH=True),
-                  dict(BT=16, BC=64, num_warps=4, GP_SCRATCH=True), dict(BT=16, BC=32, num_warps=2),
-                  dict(BT=16, BC=32, num_warps=2, GP_SCRATCH=True)],
     "dphi": [dict(BT=32, BK=128, num_warps=4), dict(BT=64, BK=128, num_warps=4), dict(BT=64, BK=256, num_warps=8),
              dict(BT=128, BK=64, num_warps=4), dict(BT=32, BK=128, num_warps=4, splits=66)],
 }
@@ -115,42 +114,37 @@ def floor_bytes_per_token(n: int, C: int, stream_bytes: int = 2) -> dict[str, in
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}
 
 
-def kernel_bytes_per_token(n: int, C: int, fused: bool, stream_bytes: int = 2) -> dict[str, int]:
-    """Bytes per token that each kernel of the unit moves, reading every input once and writing every output once:
-    what the kernels could reach at copy bandwidth, against the floor above. With `fused` the backward is one
-    kernel and dphi (kernels/mhc_bwd_fused.py); without, premix_grad, coef_bwd, stream_bwd and dphi.
+def kernel_bytes_per_token(n: int, C: int, stream_bytes: int = 2) -> dict[str, int]:
+    """Bytes per token that each of the unit's five kernels moves, reading every input once and writing every
+    output once: what the kernels of this design could reach at copy bandwidth, against the floor above.
 
-    The floor recomputes x' in the backward and gives dH_pre and d(phi) for free. Here dphi reads x' once more
-    (d(phi)'s pre-gate columns need dH_pre, a sum over all of a token's channels, and folding d(phi) into the
-    token-major stream pass would need an [n*C, N] accumulator per program), and so does premix_grad.
+    The floor recomputes x' in the backward and gives dH_pre and d(phi) for free. Here premix_grad and dphi
+    each read x' once more. d(phi)'s pre-gate columns need dH_pre (a sum over all of a token's channels), and
+    folding d(phi) into the token-major stream_bwd would need an [n*C, N] accumulator per program.
     Not counted: dphi's per-program partial sums (their count depends on the GPU), and what is meant to hit
-    L2: coef_premix's rereads of x', the fused kernel's second pass over x, y and du, every program's reads of
-    phi."""
+    L2: coef_premix's rereads of x' and every program's reads of phi."""
     from kernels._triton_util import num_coefficients, padded_columns
     row = stream_bytes * C                        # one stream-width row of bf16
-    mixing = 4 * (n * n + n)                      # H_res and H_post (or their gradients), fp32
+    mixing = 4 * (n * n + n)                      # H_res and H_post, fp32
     saved = 4 * (num_coefficients(n) + 1)         # raw projections and inv_rms, fp32
     aux = 4 * padded_columns(n)                   # G, the rms factor and H_pre, fp32
-    stream_pass = (3 * n + 3) * row + aux + 2 * mixing    # x, y, dx', du, aux, H in; dx, dy, dH out
-    forward = {"coef_premix": (2 * n + 2) * row + 2 * mixing + saved}  # x, y in; x', u out; H in and out; raw, rinv
-    dphi = {"dphi": n * row + aux}                                     # x', aux in
-    if fused:  # x, y, dx', du, dH_post', dH_res', raw, rinv, H in; aux, dx, dy, dH out
-        return forward | {"fused_bwd": stream_pass + mixing + saved} | dphi
-    return forward | {
+    return {
+        "coef_premix": (2 * n + 2) * row + 2 * mixing + saved,   # x, y in; x', u out; H in and out; raw, rinv out
         "premix_grad": (n + 1) * row + 4 * n,                    # x', du in; dH_pre out
         "coef_bwd": 4 * n + mixing + saved + aux,                # dH_pre, dH_post, dH_res, raw, rinv in; aux out
-        "stream_bwd": stream_pass,
-    } | dphi
+        "stream_bwd": (3 * n + 3) * row + aux + 2 * mixing,      # x, y, dx', du, aux, H in; dx, dy, dH out
+        "dphi": n * row + aux,                                   # x', aux in
+    }
 
 
-def design_bound(n: int, C: int, fused: bool) -> str:
+def design_bound(n: int, C: int) -> str:
     """The line bench_kernels prints under the floor: the kernels' own bytes, and the share of the floor that
     they allow at copy bandwidth."""
-    own = kernel_bytes_per_token(n, C, fused)
+    own = kernel_bytes_per_token(n, C)
     total, floor = sum(own.values()), floor_bytes_per_token(n, C)["fwd+bwd"]
-    return (f"the kernels' own bytes/token ({'fused' if fused else 'three-kernel'} backward): "
-            f"{', '.join(f'{k} {v}' for k, v in own.items())}; sum {total} = {total / floor:.2f}x the floor, so at "
-            f"copy bandwidth this design reaches {100 * floor / total:.1f}% of the floor at most")
+    return (f"the kernels' own bytes/token: {', '.join(f'{k} {v}' for k, v in own.items())}; sum {total} = "
+            f"{total / floor:.2f}x the floor, so at copy bandwidth this design reaches {100 * floor / total:.1f}% "
+            "of the floor at most")
 
 
 # ---------------------------------------------------------------- timing
@@ -223,7 +217,6 @@ def pass_timings(fn, inputs: list[torch.Tensor], rep_ms: int, graphed: bool = Fa
 def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float, kernels: list[str]) -> list[tuple]:
     """Each of `kernels` alone under its SWEEP block configurations: (kernel, config, ms, % of copy bw)."""
     from kernels.mhc_bwd import launch_coef_bwd, launch_dphi, launch_stream_bwd
-    from kernels.mhc_bwd_fused import launch_fused_bwd
     from kernels.mhc_fwd import launch_coef_premix
 
     x, h_res, h_post, y, phi, alpha, bias = inputs
@@ -242,8 +235,6 @@ def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float, kernels
                      (n + 1) * C * 2),
         "stream_bwd": (lambda cfg: launch_stream_bwd(direct, x, y, h_res, h_post, dxo, du, aux, phi, cfg),
                        (3 * n + 3) * C * 2),
-        "fused_bwd": (lambda cfg: launch_fused_bwd(direct, x, y, h_res, h_post, dxo, du, dhp, dhr, raw, rinv, alpha,
-                                                   bias, phi, 20, cfg), (3 * n + 3) * C * 2),
         "dphi": (lambda cfg: launch_dphi(direct, x_new, aux, cfg), n * C * 2),
     }
     rows = []
@@ -253,6 +244,8 @@ def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float, kernels
             ms = bench_ms(lambda: run(cfg), rep_ms)
             rows.append((name, block_text(cfg), ms,
                          100 * stream_bytes * T / copy_bps / (ms * 1e-3)))
+            # printed as timed (each row may compile first): a sweep cut short still shows its rows
+            print(f"{name:<16} {rows[-1][1]:<40} {ms:8.3f} {rows[-1][3]:6.1f}%", flush=True)
     return rows
 
 
@@ -264,12 +257,11 @@ def block_text(cfg: dict) -> str:
 def default_configs(n: int) -> dict[str, dict]:
     """Each swept kernel's default launch configuration on a GPU at this n, as its launcher picks it."""
     from kernels.mhc_bwd import coef_bwd_config, dphi_config, stream_bwd_config
-    from kernels.mhc_bwd_fused import fused_bwd_config
     from kernels.mhc_fwd import fwd_config
     gpu = torch.device("cuda")
     return {"coef_premix": fwd_config(gpu, n), "coef_premix_pre": fwd_config(gpu, n, apply=False),
-            "coef_bwd": coef_bwd_config(gpu), "stream_bwd": stream_bwd_config(gpu, n),
-            "fused_bwd": fused_bwd_config(gpu, n), "dphi": dphi_config(gpu)}
+            "coef_bwd": coef_bwd_config(gpu),
+            "stream_bwd": stream_bwd_config(gpu, n), "dphi": dphi_config(gpu)}
 
 
 def default_blocks(n: int) -> dict[str, dict]:
@@ -304,8 +296,8 @@ IMPL_LABELS = {"eager": "eager reference", "compiled": "compiled reference", "tr
 
 def profile_once(T: int, n: int, C: int) -> None:
     """Forward + backward of the Triton unit, twice: the first run compiles, the second is the one to
-    profile (3 kernel launches in the forward+backward of mhc_post_pre: coef_premix, fused_bwd, dphi; 5 with the
-    three-kernel backward)."""
+    profile (5 kernel launches in the forward+backward of mhc_post_pre: coef_premix, premix_grad,
+    coef_bwd, stream_bwd, dphi)."""
     from kernels import mhc as K
     leaves = [t.detach().clone().requires_grad_() for t in make_inputs(T, n, C)]
     for _ in range(2):
@@ -355,15 +347,16 @@ def mhc_main(argv: list[str]) -> list[dict]:
     per_token = floor_bytes_per_token(n, C)
     copy_bps = copy_bandwidth(args.rep_ms)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  n={n} C={C} bf16 streams")
-    print(f"copy bandwidth (1 GiB D2D, read+write): {copy_bps / 1e9:.0f} GB/s")
+    print(f"copy bandwidth (1 GiB D2D, read+write): {copy_bps / 1e9:.0f} GB/s", flush=True)
     print(f"floor bytes/token: fwd {per_token['fwd']}, bwd {per_token['bwd']}, fwd+bwd {per_token['fwd+bwd']} "
           f"(= {(5 * n + 5)} * C bf16 stream elements + fp32 coefficients)")
-    from kernels.mhc_bwd_fused import fuses_backward
-    print(design_bound(n, C, fuses_backward(torch.device("cuda"), n)))
+    print(design_bound(n, C))
     make = {"eager": lambda: R.mhc_post_pre, "compiled": lambda: torch.compile(R.mhc_post_pre, dynamic=False),
             "triton": lambda: K.mhc_post_pre, "triton-graph": lambda: K.mhc_post_pre}
     impls = {name: make[name]() for name in args.impls}
-    rows = []
+    print(f"\nmhc_post_pre, one sublayer pair: time, floor bytes / time, and floor time / time")
+    print(f"{'tokens':>7} {'implementation':<20} {'pass':<8} {'ms':>8} {'GB/s':>7} {'% floor':>8}")
+    rows = []  # each printed as timed, like the sweep's
     for T in args.tokens:
         inputs = make_inputs(T, n, C)
         for name, fn in impls.items():
@@ -372,19 +365,15 @@ def mhc_main(argv: list[str]) -> list[dict]:
                 floor_ms = per_token[pass_name] * T / copy_bps * 1e3
                 rows.append(dict(tokens=T, impl=impl, pass_name=pass_name, ms=ms,
                                  gbps=per_token[pass_name] * T / (ms * 1e-3) / 1e9, pct=100 * floor_ms / ms))
+                r = rows[-1]
+                print(f"{T:>7} {impl:<20} {pass_name:<8} {ms:8.3f} {r['gbps']:7.0f} {r['pct']:7.1f}%", flush=True)
         del inputs
     if args.sweep:
         print(f"\nper-kernel block sweep at {max(args.tokens)} tokens (% of copy bandwidth on the kernel's own "
               "stream bytes)")
         print(f"{'kernel':<16} {'config':<40} {'ms':>8} {'% copy':>7}")
         swept = sweep_rows(make_inputs(max(args.tokens), n, C), args.rep_ms, copy_bps, args.sweep)
-        for name, cfg, ms, pct in swept:
-            print(f"{name:<16} {cfg:<40} {ms:8.3f} {pct:6.1f}%")
         print("\n".join(sweep_summary(swept, default_blocks(n))))
-    print(f"\nmhc_post_pre, one sublayer pair: time, floor bytes / time, and floor time / time")
-    print(f"{'tokens':>7} {'implementation':<20} {'pass':<8} {'ms':>8} {'GB/s':>7} {'% floor':>8}")
-    for r in rows:
-        print(f"{r['tokens']:>7} {r['impl']:<20} {r['pass_name']:<8} {r['ms']:8.3f} {r['gbps']:7.0f} {r['pct']:7.1f}%")
     return rows
 
 

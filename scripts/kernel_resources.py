@@ -109,11 +109,9 @@ def resources(kernel, args: tuple, kwargs: dict, arch: int) -> dict:
 
 
 def unit_launches(T: int, n: int, C: int, configs: dict) -> list[tuple]:
-    """The launches of one mhc_post_pre unit, forward and backward (the three-kernel backward and the fused one),
-    on meta bf16 tensors, with mhc_pre's and mhc_post's launches beside them."""
+    """The launches of one mhc_post_pre unit, forward and backward, on meta bf16 tensors."""
     from kernels import mhc_reference as R
     from kernels.mhc_bwd import launch_coef_bwd, launch_dphi, launch_stream_bwd
-    from kernels.mhc_bwd_fused import launch_fused_bwd
     from kernels.mhc_fwd import launch_coef_premix
 
     meta = dict(device="meta")
@@ -129,8 +127,6 @@ def unit_launches(T: int, n: int, C: int, configs: dict) -> list[tuple]:
     launch_stream_bwd(rec, x, y, h_res, h_post, x, u, aux, phi, configs["stream_bwd"])      # apply + coefficients
     launch_stream_bwd(rec, x, None, None, None, None, u, aux, phi, configs["stream_bwd"])   # coefficients (pre)
     launch_stream_bwd(rec, x, y, h_res, h_post, x, None, None, None, configs["stream_bwd"])  # apply (post)
-    for ys in ((y, h_res, h_post, x), (None, None, None, None)):  # the fused backward: post_pre's, then pre's
-        launch_fused_bwd(rec, x, *ys, u, hp, hr, raw, rinv, alpha, bias, phi, 20, configs["fused_bwd"])
     launch_dphi(rec, x_new, aux, configs["dphi"])
     return rec.launches
 

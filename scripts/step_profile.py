@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 CATEGORIES = (  # (label, pattern searched in the kernel name); on the CPU the custom ops mhcgolf::*
-    ("mHC Triton kernels", r"\b(coef_premix|fused_bwd|stream_bwd|coef_bwd|premix_grad|dphi|apply)_kernel\b|mhcgolf(::|_)mhc_"),
+    ("mHC Triton kernels", r"\b(coef_premix|stream_bwd|coef_bwd|premix_grad|dphi|apply)_kernel\b|mhcgolf(::|_)mhc_"),
     ("MLP Triton GEMM", r"mlp_gemm|mhcgolf(::|_)mlp_"),
     ("GEMM (cuBLAS/CUTLASS, inductor templates)", r"^triton_tem_|gemm|xmma|cutlass|nvjet|cublas|^aten::(mm|addmm|bmm|matmul)$"),
     ("inductor fused (triton_*)", r"^triton_"),

@@ -4,7 +4,6 @@ On a machine without CUDA the kernels run on CPU through the Triton interpreter 
 variable must be set before triton or the kernel modules are imported. On a GPU machine the
 `gpu` tests run the compiled kernels in bf16.
 """
-import math
 import os
 
 import torch
@@ -24,12 +23,12 @@ if K.HAVE_TRITON:  # a kernel that writes the order in which a ZIGZAG pass visit
     import triton  # noqa: E402
     import triton.language as tl  # noqa: E402
 
-    from kernels._triton_util import tile_start  # noqa: E402
+    from kernels.mhc_fwd import _tile_start  # noqa: E402
 
     @triton.jit
     def tile_order_kernel(out_ptr, tiles, REVERSE: tl.constexpr):
         for k in range(0, tiles):
-            tl.store(out_ptr + k, tile_start(k, tiles, REVERSE))
+            tl.store(out_ptr + k, _tile_start(k, tiles, REVERSE))
 
 # (n, C, leading token dims): token counts not divisible by the blocks, C not a power of two.
 SHAPES = [(4, 48, (37,)), (2, 96, (2, 11)), (8, 48, (17,))]
@@ -158,13 +157,11 @@ def test_dphi_kernel_is_xT_G_for_any_shape(n, C, T, cfg):
 @pytest.mark.parametrize("n", [4, 2])
 def test_gpu_block_sizes_compute_what_the_cpu_ones_do(n):
     """The GPU defaults (block shapes the interpreter tests do not otherwise use: stream_bwd's 32 tokens x
-    16 channels at n=4 and 16 x 64 through the GP_SCRATCH path at n=2, the fused backward on the same blocks,
-    coef_premix's 128-channel tiles with the apply and 64-channel ones without it, coef_bwd's 128-token
-    programs) give the CPU defaults' results,
+    16 channels at n=4 and 16 x 64 through the GP_SCRATCH path at n=2, coef_premix's 128-channel tiles with
+    the apply and 64-channel ones without it, coef_bwd's 128-token programs) give the CPU defaults' results,
     tokens and channels partial (C=48 is less than one tile)."""
     from kernels.mhc_bwd import (coef_bwd_config, dphi_config, launch_coef_bwd, launch_dphi, launch_stream_bwd,
                                  stream_bwd_config)
-    from kernels.mhc_bwd_fused import fused_bwd_config, launch_fused_bwd
     from kernels.mhc_fwd import fwd_config, launch_coef_premix
     inp = make_inputs(n, 48, (45,))
     x, y, h_res, h_post, phi, alpha, bias = (inp[k] for k in ("x", "y", "h_res", "h_post", "phi", "alpha", "bias"))
@@ -180,79 +177,11 @@ def test_gpu_block_sizes_compute_what_the_cpu_ones_do(n):
                                              coef_bwd_config(device))
         streams = launch_stream_bwd(direct, x, y, h_res, h_post, dxo, du, aux, phi, stream_bwd_config(device, n))
         pre = launch_coef_premix(direct, x, None, None, None, phi, alpha, bias, 20, fwd_config(device, n, apply=False))
-        fused = launch_fused_bwd(direct, x, y, h_res, h_post, dxo, du, dhp, dhr, raw, rinv, alpha, bias, phi, 20,
-                                 fused_bwd_config(device, n))
-        return [*fwd, aux, dalpha, dbias, *streams, launch_dphi(direct, x_new, aux, dphi_config(device)), *pre[1:],
-                *fused]
+        return [*fwd, aux, dalpha, dbias, *streams, launch_dphi(direct, x_new, aux, dphi_config(device)), *pre[1:]]
 
     gpu, cpu = unit(torch.device("cuda")), unit(torch.device("cpu"))
     for i, (a, b) in enumerate(zip(gpu, cpu)):
         assert a.shape == b.shape and rel(a, b) < 1e-5, f"result {i}: rel err {rel(a, b):.2e}"
-
-
-def backward_args(n, C, lead, apply, device="cpu", dtype=torch.float32):
-    """launch_backward's inputs for one coefficient pass (after an apply when `apply`): the streams, the
-    forward's saved raw projections and inv_rms, and random gradients of every output. The launchers take
-    [T, ...] tensors: the leading dimensions are flattened, as mhc.py does."""
-    from kernels.mhc_fwd import launch_coef_premix
-    inp = make_inputs(n, C, (math.prod(lead),), device, dtype)
-    x, y, h_res, h_post, phi, alpha, bias = (inp[k] for k in ("x", "y", "h_res", "h_post", "phi", "alpha", "bias"))
-    ys = (y, h_res, h_post) if apply else (None, None, None)
-    x_new, u, hp, hr, raw, rinv = launch_coef_premix(lambda kernel: kernel, x, *ys, phi, alpha, bias, 20)
-    g = torch.Generator().manual_seed(11)
-    dxo, du, dhp, dhr = (torch.randn(t.shape, generator=g).to(t) for t in (x, u, hp, hr))
-    return x, *ys, dxo if apply else None, x_new if apply else x, du, dhp, dhr, raw, rinv, alpha, bias, phi
-
-
-@interpreted
-@pytest.mark.parametrize("apply", [True, False])
-@pytest.mark.parametrize("n,C,lead", SHAPES)
-def test_fused_backward_gives_the_three_kernel_backward(apply, n, C, lead):
-    """launch_backward fused and not: every gradient of mhc_post_pre's (apply) and mhc_pre's backward, token
-    and channel counts not divisible by the blocks."""
-    from kernels.mhc_bwd_fused import launch_backward
-    args = backward_args(n, C, lead, apply)
-    direct = lambda kernel: kernel  # noqa: E731
-    fused, split = (launch_backward(direct, *args, 20, fused=f) for f in (True, False))
-    absent = [False] + [not apply] * 3 + [False] * 3  # dy, dH_res and dH_post exist only after an apply
-    assert [a is None for a in fused] == [b is None for b in split] == absent
-    for i, (a, b) in enumerate(zip(fused, split)):
-        if b is None:
-            continue
-        assert a.shape == b.shape and a.dtype == b.dtype and rel(a, b) < 1e-5, f"gradient {i}: rel err {rel(a, b):.2e}"
-
-
-@interpreted
-@pytest.mark.parametrize("n", [4, 2])
-def test_fused_backward_blocks_give_the_same_gradients(n):
-    """The fused kernel over the blocks it is swept on, GP_SCRATCH among them, against the three-kernel
-    backward: more tokens per program than channels and the other way round, C=48 partial in every tile."""
-    from kernels.mhc_bwd import launch_coef_bwd, launch_stream_bwd
-    from kernels.mhc_bwd_fused import launch_fused_bwd
-    x, y, h_res, h_post, dxo, x_new, du, dhp, dhr, raw, rinv, alpha, bias, phi = backward_args(n, 48, (37,), True)
-    direct = lambda kernel: kernel  # noqa: E731
-    aux, dalpha, dbias = launch_coef_bwd(direct, x_new, du, dhp, dhr, raw, rinv, alpha, bias, 20)
-    split = (aux, dalpha, dbias, *launch_stream_bwd(direct, x, y, h_res, h_post, dxo, du, aux, phi))
-    for cfg in (dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4, GP_SCRATCH=True),
-                dict(BT=64, BC=16, num_warps=4)):
-        fused = launch_fused_bwd(direct, x, y, h_res, h_post, dxo, du, dhp, dhr, raw, rinv, alpha, bias, phi, 20,
-                                 dict(cfg))
-        for i, (a, b) in enumerate(zip(fused, split)):
-            assert rel(a, b) < 1e-5, f"{cfg} output {i}: rel err {rel(a, b):.2e}"
-
-
-@interpreted
-@pytest.mark.parametrize("name", ["pre", "post_pre"])
-def test_three_kernel_backward_matches_reference_when_chosen(name, monkeypatch):
-    """With fuses_backward off (what a device and n measured slower fused would get), mhc.py's backward
-    takes premix_grad + coef_bwd + stream_bwd, and they match the reference too."""
-    from kernels import mhc_bwd_fused
-    asked, split = [], []
-    monkeypatch.setattr(mhc_bwd_fused, "fuses_backward", lambda device, n: asked.append(n) or False)
-    real = mhc_bwd_fused.launch_coef_bwd
-    monkeypatch.setattr(mhc_bwd_fused, "launch_coef_bwd", lambda *args: split.append(1) or real(*args))
-    assert_close_to_reference(name, make_inputs(4, 48, (37,)), out_tol=1e-5, grad_tol=1e-5)
-    assert asked == [4] and split == [1]
 
 
 @interpreted
@@ -293,7 +222,7 @@ def test_coef_premix_default_block_follows_the_apply(monkeypatch):
 
 @interpreted
 def test_zigzag_tile_order_runs_backwards_when_asked():
-    """coef_premix's ZIGZAG passes take their tiles from tile_start; its outputs cannot show the order (the
+    """coef_premix's ZIGZAG passes take their tiles from _tile_start; its outputs cannot show the order (the
     turned passes are elementwise), so the order itself is checked: every tile once, backwards when asked."""
     for tiles in (1, 2, 5):
         for reverse, expect in ((False, list(range(tiles))), (True, list(range(tiles))[::-1])):
@@ -490,42 +419,38 @@ def test_bench_floor_bytes_are_the_stated_count():
 
 
 def test_bench_kernel_bytes_count_what_each_launch_of_the_unit_passes():
-    """kernel_bytes_per_token against the launches themselves: the per-token tensors that the kernels of
-    mhc_post_pre's forward and backward receive, fused or not (recorded on meta tensors, as mhc.py launches them)."""
+    """kernel_bytes_per_token against the launches themselves: the per-token tensors that the five kernels of
+    mhc_post_pre's forward and backward receive (recorded on meta tensors, as mhc.py launches them)."""
     pytest.importorskip("triton")
-    from kernels.mhc_bwd_fused import launch_backward
+    from kernels.mhc_bwd import launch_coef_bwd, launch_dphi, launch_stream_bwd
     from kernels.mhc_fwd import launch_coef_premix
     from scripts.bench_kernels import design_bound, floor_bytes_per_token, kernel_bytes_per_token
     from scripts.kernel_resources import Recorder, kernel_name
 
     T, C = 1000, 64
     for n in (2, 4):
-        for fused in (True, False):
-            N = R.mhc_num_coefficients(n)
-            new = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
-            x, y, dx_new, du = new(T, n, C, dtype=torch.bfloat16), new(T, C, dtype=torch.bfloat16), \
-                new(T, n, C, dtype=torch.bfloat16), new(T, C, dtype=torch.bfloat16)
-            h_res, h_post, dh_res, dh_post = new(T, n, n), new(T, n), new(T, n, n), new(T, n)
-            phi, alpha, bias = new(N, n * C).t(), new(3), new(N)
-            rec = Recorder()
-            x_new, _, _, _, raw, rinv = launch_coef_premix(rec, x, y, h_res, h_post, phi, alpha, bias, 20)
-            launch_backward(rec, x, y, h_res, h_post, dx_new, x_new, du, dh_post, dh_res, raw, rinv, alpha, bias,
-                            phi, 20, fused=fused)
-            counted = {}
-            for kernel, args, kwargs in rec.launches:
-                per_token = {id(a): a for a in [*args, *kwargs.values()]
-                             if isinstance(a, torch.Tensor) and a.shape[0] == T}
-                counted[kernel_name(kernel).removesuffix("_kernel")] = sum(
-                    a.numel() * a.element_size() for a in per_token.values()) // T
-            assert counted == kernel_bytes_per_token(n, C, fused), (n, fused)
-    # n=4, C=512: 35,832 bytes, 1.37x the floor's 26,200 (docs/benchmarks.md, session 12); fused 30,552 (session 13)
-    assert sum(kernel_bytes_per_token(4, 512, fused=False).values()) == 35_832
-    assert sum(kernel_bytes_per_token(4, 512, fused=True).values()) == 30_552
-    assert floor_bytes_per_token(4, 512)["fwd"] == kernel_bytes_per_token(4, 512, True)["coef_premix"]
-    assert design_bound(4, 512, False).endswith("sum 35832 = 1.37x the floor, so at copy bandwidth this design "
-                                                "reaches 73.1% of the floor at most")
-    assert design_bound(4, 512, True).endswith("sum 30552 = 1.17x the floor, so at copy bandwidth this design "
-                                               "reaches 85.8% of the floor at most")
+        N = R.mhc_num_coefficients(n)
+        new = lambda *shape, dtype=torch.float32: torch.empty(*shape, dtype=dtype, device="meta")  # noqa: E731
+        x, y, dx_new, du = new(T, n, C, dtype=torch.bfloat16), new(T, C, dtype=torch.bfloat16), \
+            new(T, n, C, dtype=torch.bfloat16), new(T, C, dtype=torch.bfloat16)
+        h_res, h_post, dh_res, dh_post = new(T, n, n), new(T, n), new(T, n, n), new(T, n)
+        phi, alpha, bias = new(N, n * C).t(), new(3), new(N)
+        rec = Recorder()
+        x_new, _, _, _, raw, rinv = launch_coef_premix(rec, x, y, h_res, h_post, phi, alpha, bias, 20)
+        aux, _, _ = launch_coef_bwd(rec, x_new, du, dh_post, dh_res, raw, rinv, alpha, bias, 20)
+        launch_stream_bwd(rec, x, y, h_res, h_post, dx_new, du, aux, phi)
+        launch_dphi(rec, x_new, aux)
+        counted = {}
+        for kernel, args, kwargs in rec.launches:
+            per_token = {id(a): a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor) and a.shape[0] == T}
+            counted[kernel_name(kernel).removesuffix("_kernel")] = sum(
+                a.numel() * a.element_size() for a in per_token.values()) // T
+        assert counted == kernel_bytes_per_token(n, C)
+    # n=4, C=512: 35,832 bytes, 1.37x the floor's 26,200 (docs/benchmarks.md, session 12)
+    assert sum(kernel_bytes_per_token(4, 512).values()) == 35_832
+    assert floor_bytes_per_token(4, 512)["fwd"] == kernel_bytes_per_token(4, 512)["coef_premix"]
+    assert design_bound(4, 512).endswith("sum 35832 = 1.37x the floor, so at copy bandwidth this design reaches "
+                                         "73.1% of the floor at most")
 
 
 def test_bench_mhc_flags_parse_and_reject_bad_values():
@@ -594,31 +519,6 @@ def test_gpu_stream_bwd_gp_scratch_matches_the_plain_kernel(n):
     for cfg in configs:
         for a, b in zip(launch_stream_bwd(direct, *args, dict(cfg)), plain):
             assert rel(a, b) < 1e-2, f"{cfg}: rel err {rel(a, b):.2e}"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n", [4, 2])
-def test_gpu_fused_backward_blocks_match_the_three_kernel_backward(n):
-    """On the GPU the fused kernel's pass B reads back aux rows that other threads wrote (a barrier), and the
-    wide blocks run near 255 registers: every fused_bwd block of SWEEP (the defaults among them) gives the
-    three-kernel backward's gradients, after an apply and without one, up to bf16 rounding (the fused dH_pre
-    is taken from the exact apply, premix_grad's from x' rounded to bf16)."""
-    from kernels.mhc_bwd import launch_coef_bwd, launch_stream_bwd
-    from kernels.mhc_bwd_fused import launch_fused_bwd
-    from scripts.bench_kernels import SWEEP
-    direct = lambda kernel: kernel  # noqa: E731
-    for apply in (True, False):
-        x, y, h_res, h_post, dxo, x_new, du, dhp, dhr, raw, rinv, alpha, bias, phi = backward_args(
-            n, 512, (3001,), apply, device="cuda", dtype=torch.bfloat16)
-        aux, dalpha, dbias = launch_coef_bwd(direct, x_new, du, dhp, dhr, raw, rinv, alpha, bias, 20)
-        split = (aux, dalpha, dbias, *launch_stream_bwd(direct, x, y, h_res, h_post, dxo, du, aux, phi))
-        for cfg in SWEEP["fused_bwd"]:
-            fused = launch_fused_bwd(direct, x, y, h_res, h_post, dxo, du, dhp, dhr, raw, rinv, alpha, bias, phi,
-                                     20, dict(cfg))
-            for i, (a, b) in enumerate(zip(fused, split)):
-                if b is not None:
-                    assert rel(a, b) < 1e-2, f"apply={apply} {cfg} output {i}: rel err {rel(a, b):.2e}"
 
 
 @pytest.mark.gpu

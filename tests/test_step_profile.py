@@ -9,7 +9,6 @@ from scripts.step_profile import OTHER, category, format_tables, summarize
 NAMES = {
     "coef_premix_kernel": "mHC Triton kernels",
     "stream_bwd_kernel": "mHC Triton kernels",
-    "fused_bwd_kernel": "mHC Triton kernels",
     "dphi_kernel": "mHC Triton kernels",
     "mlp_gemm_tma_kernel": "MLP Triton GEMM",
     "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT": "GEMM (cuBLAS/CUTLASS, inductor templates)",
