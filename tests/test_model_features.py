@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from model.features import BOS_ID, SMEAR_GATE_INIT, SmearGate, bigram_bucket
 from model.gpt import GPT
-from model.layers import Attention, RotaryTables, apply_partial_rotary, rotary_cos_sin
+from model.layers import MLP, Attention, RotaryTables, apply_partial_rotary, rotary_cos_sin
 from test_model import randomize_, tiny  # shared tiny config and non-trivial weights
 
 ALL_ON = dict(xsa_layers=2, rope_dims=4, layer_norm_scale=True, unet_skips=True, smear_gate=True,
@@ -358,3 +358,21 @@ def test_mhc_with_options_starts_as_the_plain_network_with_the_same_options():
     idx = tokens()
     ref = plain(idx)
     assert (mhc(idx) - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
+def test_width_and_init_options_reach_the_layers():
+    """model.mlp_mult, rope_base, qk_gain_init and embed_init_std each set what they name in the built model."""
+    torch.manual_seed(0)
+    cfg = tiny(n_streams=1, vocab_size=512, d_model=64, mlp_mult=2.25, rope_base=500.0, qk_gain_init=0.75,
+               embed_init_std=0.02)
+    model = GPT(cfg)
+    mlps = [s.body for s in model.sublayers if isinstance(s.body, MLP)]
+    attentions = [s.body for s in model.sublayers if isinstance(s.body, Attention)]
+    assert len(mlps) == len(attentions) == cfg.n_layers
+    assert all(m.up.weight.shape == (144, 64) and m.down.weight.shape == (64, 144) for m in mlps)  # round(2.25 * 64)
+    assert all(torch.equal(a.q_gain.detach(), torch.full((cfg.n_heads,), 0.75)) for a in attentions)
+    # 32,768 draws: the sample std is within 1% of 0.02 (the default, 0.005, is far outside)
+    assert model.embed.weight.std().item() == pytest.approx(0.02, rel=0.03)
+    cos, sin = attentions[0].rope(4)  # position 1's angles are the inverse frequencies base^(-2i/dim)
+    dim = cfg.rotary_dims
+    assert torch.allclose(torch.atan2(sin[1], cos[1]), 500.0 ** -(torch.arange(0, dim, 2) / dim))

@@ -27,10 +27,41 @@ def tiny_overrides(data: Path, tmp: Path) -> list[str]:
             f"train.log_dir={tmp}/logs", f"train.out_dir={tmp}/runs", "train.run_id=tiny"]
 
 
-def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path, capsys):
+class FakeWandb:
+    """Stands in for the wandb module: records init's arguments and what the run is given."""
+
+    def __init__(self):
+        self.inits, self.logged, self.summary, self.finished = [], [], {}, False
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+    def log(self, data, step=None):
+        self.logged.append((step, data))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path, capsys, monkeypatch):
+    import sys
+
     import train
+    wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)  # it would override train.wandb_project
     final = train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
-                        "quant.phi_bits=5", "train.time_budget_s=600", "quant.calib_reserve_s=30"])  # steps end it
+                        "quant.phi_bits=5", "train.time_budget_s=600", "quant.calib_reserve_s=30",  # steps end it
+                        "train.checkpoint_every=10", "train.checkpoint_keep=3",
+                        "train.wandb=true", "train.wandb_project=golf-test"])
+    # train.checkpoint_keep (3, not the default 2): of the checkpoints at steps 10, 20, 30 and 40 the newest three
+    checkpoints = tmp_path / "runs" / "checkpoints" / "tiny"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000020", "step_00000030", "step_00000040"]
+    # train.wandb_project names the wandb project; the run gets the step metrics and the final numbers
+    assert [(i["project"], i["name"]) for i in wandb.inits] == [("golf-test", "tiny")]
+    assert 40 in [step for step, _ in wandb.logged] and wandb.summary["val_bpb"] == final["val_bpb"]
+    assert wandb.finished
     last_line = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last_line) == json.loads(json.dumps(final, sort_keys=True))
     for key in ("val_loss", "val_bpb", "steps", "train_time_s", "artifact_bytes", "code_bytes", "total_bytes", "run_id"):
