@@ -127,6 +127,21 @@ def test_record_folder_contents(tiny_seed_runs, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def test_code_flag_ships_the_sources_plain_and_counts_those_bytes(tiny_seed_runs, tmp_path):
+    """--code plain: train_gpt.py holds the sources as readable literals (no packed blob), and the record's
+    bytes_code and bytes_total count that larger file."""
+    packed, plain = export(tiny_seed_runs, tmp_path / "packed"), export(tiny_seed_runs, tmp_path / "plain", "--code",
+                                                                        "plain")
+    script = (plain / "train_gpt.py").read_text()
+    assert "PACKED = b'" not in script and "PACKED = b'" in (packed / "train_gpt.py").read_text()
+    assert embedded_sources(script)["training.trainer"] == (False, (REPO / "training/trainer.py").read_text())
+    sizes = {out.name: (out / "train_gpt.py").stat().st_size for out in (packed, plain)}
+    assert sizes["plain"] > 2 * sizes["packed"]
+    for out in (packed, plain):
+        sub = json.loads((out / "submission.json").read_text())
+        assert sub["bytes_code"] == sizes[out.name]
+
+
 def test_existing_record_needs_force(tiny_seed_runs, tmp_path):
     out = export(tiny_seed_runs, tmp_path / "rec")
     (out / "train_seed99.log").write_text("from an earlier export")

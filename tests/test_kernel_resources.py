@@ -54,13 +54,16 @@ def test_specialization_types_pointers_ints_and_constexprs_like_the_launcher():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
-def test_every_kernel_of_a_unit_compiles_for_sm90_and_reports_its_resources():
+@pytest.mark.parametrize("arch", [None, 80])  # the default (sm_90, ptxas's sm_90a), and --arch for an A100
+def test_every_kernel_of_a_unit_compiles_and_reports_its_resources(arch):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(REPO / "scripts/kernel_resources.py"), "--n", "2", "--C", "64",
-                           "--tokens", "256"], capture_output=True, text=True, env=env, timeout=600)
+                           "--tokens", "256", *(["--arch", str(arch)] if arch else [])],
+                          capture_output=True, text=True, env=env, timeout=600)
     if "needs Triton with its NVIDIA backend" in done.stderr:
         pytest.skip("this Triton has no NVIDIA backend")
     assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith(f"mHC kernels for sm_{arch or 90}, n=2 C=64")
     rows = [line.split() for line in done.stdout.splitlines()[2:]]
     assert [r[0] for r in rows] == ["coef_premix_kernel"] * 2 + ["premix_grad_kernel", "coef_bwd_kernel"] + \
         ["stream_bwd_kernel"] * 3 + ["dphi_kernel"]
