@@ -242,10 +242,10 @@ def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float, kernels
         run, stream_bytes = runs[name]
         for cfg in SWEEP[name]:
             ms = bench_ms(lambda: run(cfg), rep_ms)
-            rows.append((name, block_text(cfg), ms,
-                         100 * stream_bytes * T / copy_bps / (ms * 1e-3)))
+            pct = 100 * stream_bytes * T / copy_bps / (ms * 1e-3)
+            rows.append((name, block_text(cfg), ms, pct))
             # printed as timed (each row may compile first): a sweep cut short still shows its rows
-            print(f"{name:<16} {rows[-1][1]:<40} {ms:8.3f} {rows[-1][3]:6.1f}%", flush=True)
+            print(f"{name:<16} {block_text(cfg):<40} {ms:8.3f} {pct:6.1f}%", flush=True)
     return rows
 
 
@@ -362,11 +362,10 @@ def mhc_main(argv: list[str]) -> list[dict]:
         for name, fn in impls.items():
             impl = IMPL_LABELS[name]
             for pass_name, ms in pass_timings(fn, inputs, args.rep_ms, graphed=name == "triton-graph").items():
-                floor_ms = per_token[pass_name] * T / copy_bps * 1e3
-                rows.append(dict(tokens=T, impl=impl, pass_name=pass_name, ms=ms,
-                                 gbps=per_token[pass_name] * T / (ms * 1e-3) / 1e9, pct=100 * floor_ms / ms))
-                r = rows[-1]
-                print(f"{T:>7} {impl:<20} {pass_name:<8} {ms:8.3f} {r['gbps']:7.0f} {r['pct']:7.1f}%", flush=True)
+                gbps = per_token[pass_name] * T / (ms * 1e-3) / 1e9
+                pct = 100 * (per_token[pass_name] * T / copy_bps * 1e3) / ms  # floor time / time
+                rows.append(dict(tokens=T, impl=impl, pass_name=pass_name, ms=ms, gbps=gbps, pct=pct))
+                print(f"{T:>7} {impl:<20} {pass_name:<8} {ms:8.3f} {gbps:7.0f} {pct:7.1f}%", flush=True)
         del inputs
     if args.sweep:
         print(f"\nper-kernel block sweep at {max(args.tokens)} tokens (% of copy bandwidth on the kernel's own "

@@ -64,3 +64,21 @@ def tiny_seed_runs(demo_dir, tmp_path_factory) -> TinyRuns:
     submission = root / "sub" / "submission.json"
     return TinyRuns(code, root, [root / "logs" / f"tiny-run-s{s}.txt" for s in TINY_SEEDS],
                     json.loads(submission.read_text()) if submission.exists() else {})
+
+
+class FakeWandb:
+    """Stands in for the wandb module and its run: records init's arguments, the logged metrics, the summary
+    and whether the run finished."""
+
+    def __init__(self):
+        self.inits, self.logged, self.summary, self.finished = [], [], {}, False
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return self
+
+    def log(self, data, step=None):
+        self.logged.append((step, data))
+
+    def finish(self):
+        self.finished = True

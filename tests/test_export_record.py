@@ -130,8 +130,8 @@ def test_record_folder_contents(tiny_seed_runs, tmp_path, capsys):
 def test_code_flag_ships_the_sources_plain_and_counts_those_bytes(tiny_seed_runs, tmp_path):
     """--code plain: train_gpt.py holds the sources as readable literals (no packed blob), and the record's
     bytes_code and bytes_total count that larger file."""
-    packed, plain = export(tiny_seed_runs, tmp_path / "packed"), export(tiny_seed_runs, tmp_path / "plain", "--code",
-                                                                        "plain")
+    packed = export(tiny_seed_runs, tmp_path / "packed")
+    plain = export(tiny_seed_runs, tmp_path / "plain", "--code", "plain")
     script = (plain / "train_gpt.py").read_text()
     assert "PACKED = b'" not in script and "PACKED = b'" in (packed / "train_gpt.py").read_text()
     assert embedded_sources(script)["training.trainer"] == (False, (REPO / "training/trainer.py").read_text())

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from conftest import FakeWandb
 from model.gpt import GPT
 from training.checkpoint import Checkpointer, complete_checkpoints
 from training.config import load_config
@@ -75,17 +76,7 @@ def test_wandb_is_optional_and_receives_step_metrics(tmp_path, monkeypatch):
         with pytest.raises(SystemExit, match="pip install wandb"):
             maybe_wandb(True, "p", "r", {})
 
-    class FakeRun:
-        def __init__(self):
-            self.logged, self.summary, self.finished = [], {}, False
-
-        def log(self, data, step=None):
-            self.logged.append((step, data))
-
-        def finish(self):
-            self.finished = True
-
-    run = FakeRun()
+    run = FakeWandb().init(project="p", name="r")
     log = RunLog(tmp_path / "log.txt", enabled=True, wandb_run=run)
     log.record("step", step=3, loss=1.5, tok_s=100)
     log.record("phase", seconds=2.0)  # not a metric wandb gets

@@ -1,6 +1,7 @@
 """End to end on CPU: train.py on a tiny demo corpus; distributed steps equal single-process steps."""
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import FakeWandb
 from model.gpt import GPT
 from quant.container import load_artifact
 from training.config import load_config
@@ -27,26 +29,7 @@ def tiny_overrides(data: Path, tmp: Path) -> list[str]:
             f"train.log_dir={tmp}/logs", f"train.out_dir={tmp}/runs", "train.run_id=tiny"]
 
 
-class FakeWandb:
-    """Stands in for the wandb module: records init's arguments and what the run is given."""
-
-    def __init__(self):
-        self.inits, self.logged, self.summary, self.finished = [], [], {}, False
-
-    def init(self, **kwargs):
-        self.inits.append(kwargs)
-        return self
-
-    def log(self, data, step=None):
-        self.logged.append((step, data))
-
-    def finish(self):
-        self.finished = True
-
-
 def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path, capsys, monkeypatch):
-    import sys
-
     import train
     wandb = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", wandb)
