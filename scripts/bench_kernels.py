@@ -114,6 +114,17 @@ def floor_bytes_per_token(n: int, C: int, stream_bytes: int = 2) -> dict[str, in
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}
 
 
+def stream_rows(n: int) -> dict[str, int]:
+    """Stream-width rows (C elements each) that each kernel reads or writes per token: the inputs once, the
+    outputs once. kernel_bytes_per_token adds the coefficients; the block sweep rates a kernel on these alone.
+    coef_premix_pre is coef_premix without the apply (mhc_pre: x in, u out)."""
+    return {"coef_premix": 2 * n + 2,   # x, y in; x', u out
+            "coef_premix_pre": n + 1,   # x in; u out
+            "premix_grad": n + 1,       # x', du in
+            "stream_bwd": 3 * n + 3,    # x, y, dx', du in; dx, dy out
+            "dphi": n}                  # x' in
+
+
 def kernel_bytes_per_token(n: int, C: int, stream_bytes: int = 2) -> dict[str, int]:
     """Bytes per token that each of the unit's five kernels moves, reading every input once and writing every
     output once: what the kernels of this design could reach at copy bandwidth, against the floor above.
@@ -124,16 +135,16 @@ def kernel_bytes_per_token(n: int, C: int, stream_bytes: int = 2) -> dict[str, i
     Not counted: dphi's per-program partial sums (their count depends on the GPU), and what is meant to hit
     L2: coef_premix's rereads of x' and every program's reads of phi."""
     from kernels._triton_util import num_coefficients, padded_columns
-    row = stream_bytes * C                        # one stream-width row of bf16
+    rows = {name: count * stream_bytes * C for name, count in stream_rows(n).items()}
     mixing = 4 * (n * n + n)                      # H_res and H_post, fp32
     saved = 4 * (num_coefficients(n) + 1)         # raw projections and inv_rms, fp32
     aux = 4 * padded_columns(n)                   # G, the rms factor and H_pre, fp32
     return {
-        "coef_premix": (2 * n + 2) * row + 2 * mixing + saved,   # x, y in; x', u out; H in and out; raw, rinv out
-        "premix_grad": (n + 1) * row + 4 * n,                    # x', du in; dH_pre out
-        "coef_bwd": 4 * n + mixing + saved + aux,                # dH_pre, dH_post, dH_res, raw, rinv in; aux out
-        "stream_bwd": (3 * n + 3) * row + aux + 2 * mixing,      # x, y, dx', du, aux, H in; dx, dy, dH out
-        "dphi": n * row + aux,                                   # x', aux in
+        "coef_premix": rows["coef_premix"] + 2 * mixing + saved,  # + H in and out; raw, rinv out
+        "premix_grad": rows["premix_grad"] + 4 * n,               # + dH_pre out
+        "coef_bwd": 4 * n + mixing + saved + aux,                 # dH_pre, dH_post, dH_res, raw, rinv in; aux out
+        "stream_bwd": rows["stream_bwd"] + aux + 2 * mixing,      # + aux, H in; dH out
+        "dphi": rows["dphi"] + aux,                               # + aux in
     }
 
 
@@ -226,23 +237,25 @@ def sweep_rows(inputs: list[torch.Tensor], rep_ms: int, copy_bps: float, kernels
     du, dhp, dhr = torch.randn_like(u), torch.randn_like(hp), torch.randn_like(hr)
     aux, _, _ = launch_coef_bwd(direct, x_new, du, dhp, dhr, raw, rinv, alpha, bias, 20)
     dxo = torch.randn_like(x)
+    # Each row is rated on the stream bytes of what it launches (the coef_bwd row runs premix_grad first).
+    rows_of = stream_rows(n)
     runs = {
         "coef_premix": (lambda cfg: launch_coef_premix(direct, x, y, h_res, h_post, phi, alpha, bias, 20, cfg),
-                        (2 * n + 2) * C * 2),
+                        rows_of["coef_premix"]),
         "coef_premix_pre": (lambda cfg: launch_coef_premix(direct, x, None, None, None, phi, alpha, bias, 20, cfg),
-                            (n + 1) * C * 2),
+                            rows_of["coef_premix_pre"]),
         "coef_bwd": (lambda cfg: launch_coef_bwd(direct, x_new, du, dhp, dhr, raw, rinv, alpha, bias, 20, cfg),
-                     (n + 1) * C * 2),
+                     rows_of["premix_grad"]),
         "stream_bwd": (lambda cfg: launch_stream_bwd(direct, x, y, h_res, h_post, dxo, du, aux, phi, cfg),
-                       (3 * n + 3) * C * 2),
-        "dphi": (lambda cfg: launch_dphi(direct, x_new, aux, cfg), n * C * 2),
+                       rows_of["stream_bwd"]),
+        "dphi": (lambda cfg: launch_dphi(direct, x_new, aux, cfg), rows_of["dphi"]),
     }
     rows = []
     for name in kernels:
-        run, stream_bytes = runs[name]
+        run, rows_per_token = runs[name]
         for cfg in SWEEP[name]:
             ms = bench_ms(lambda: run(cfg), rep_ms)
-            pct = 100 * stream_bytes * T / copy_bps / (ms * 1e-3)
+            pct = 100 * rows_per_token * C * x.element_size() * T / copy_bps / (ms * 1e-3)
             rows.append((name, block_text(cfg), ms, pct))
             # printed as timed (each row may compile first): a sweep cut short still shows its rows
             print(f"{name:<16} {block_text(cfg):<40} {ms:8.3f} {pct:6.1f}%", flush=True)

@@ -420,11 +420,13 @@ def test_bench_floor_bytes_are_the_stated_count():
 
 def test_bench_kernel_bytes_count_what_each_launch_of_the_unit_passes():
     """kernel_bytes_per_token against the launches themselves: the per-token tensors that the five kernels of
-    mhc_post_pre's forward and backward receive (recorded on meta tensors, as mhc.py launches them)."""
+    mhc_post_pre's forward and backward receive (recorded on meta tensors, as mhc.py launches them); and
+    stream_rows, on which the block sweep rates each kernel, against their bf16 stream tensors (mhc_pre's
+    launch too, the sweep's coef_premix_pre)."""
     pytest.importorskip("triton")
     from kernels.mhc_bwd import launch_coef_bwd, launch_dphi, launch_stream_bwd
     from kernels.mhc_fwd import launch_coef_premix
-    from scripts.bench_kernels import design_bound, floor_bytes_per_token, kernel_bytes_per_token
+    from scripts.bench_kernels import design_bound, floor_bytes_per_token, kernel_bytes_per_token, stream_rows
     from scripts.kernel_resources import Recorder, kernel_name
 
     T, C = 1000, 64
@@ -440,12 +442,16 @@ def test_bench_kernel_bytes_count_what_each_launch_of_the_unit_passes():
         aux, _, _ = launch_coef_bwd(rec, x_new, du, dh_post, dh_res, raw, rinv, alpha, bias, 20)
         launch_stream_bwd(rec, x, y, h_res, h_post, dx_new, du, aux, phi)
         launch_dphi(rec, x_new, aux)
-        counted = {}
-        for kernel, args, kwargs in rec.launches:
+        launch_coef_premix(rec, x, None, None, None, phi, alpha, bias, 20)  # mhc_pre: the sweep's coef_premix_pre
+        counted, streams = {}, {}
+        for (kernel, args, kwargs), name in zip(rec.launches, [*kernel_bytes_per_token(n, C), "coef_premix_pre"]):
+            assert kernel_name(kernel).removesuffix("_kernel") == name.removesuffix("_pre")
             per_token = {id(a): a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor) and a.shape[0] == T}
-            counted[kernel_name(kernel).removesuffix("_kernel")] = sum(
-                a.numel() * a.element_size() for a in per_token.values()) // T
-        assert counted == kernel_bytes_per_token(n, C)
+            counted[name] = sum(a.numel() * a.element_size() for a in per_token.values()) // T
+            stream = {id(a): a for a in per_token.values() if a.dtype == torch.bfloat16}
+            streams[name] = sum(a.numel() for a in stream.values()) // (T * C)
+        assert {k: v for k, v in counted.items() if k != "coef_premix_pre"} == kernel_bytes_per_token(n, C)
+        assert {k: v for k, v in streams.items() if k != "coef_bwd"} == stream_rows(n)
     # n=4, C=512: 35,832 bytes, 1.37x the floor's 26,200 (docs/benchmarks.md, session 12)
     assert sum(kernel_bytes_per_token(4, 512).values()) == 35_832
     assert floor_bytes_per_token(4, 512)["fwd"] == kernel_bytes_per_token(4, 512)["coef_premix"]
