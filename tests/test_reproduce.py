@@ -81,6 +81,8 @@ def test_record_rule_on_synthetic_baseline_logs(tmp_path, candidate, is_record):
     assert sig["improvement_nats"] == pytest.approx(1.920 - sum(candidate) / 3, abs=1e-12)
     assert sig["is_record"] is is_record
     assert (sig["p_value"] < 0.01) is is_record
+    # without the margin each candidate is better on average, so its p is the smaller of the two
+    assert sig["any_improvement"]["t"] > sig["t"] and sig["any_improvement"]["p_value"] < sig["p_value"]
 
 
 # ----- submission.json -----
@@ -147,6 +149,9 @@ def test_the_kept_layouts_compare_as_reproduce_reported():
     assert ids == ["n1-s1337", "n1-s42", "n1-s2025"] and not sig["is_record"]
     assert sig["improvement_nats"] == pytest.approx(-0.000517, abs=1e-6)
     assert sig["t"] == pytest.approx(-2.364, abs=1e-3) and sig["p_value"] == pytest.approx(0.961, abs=1e-3)
+    # and no gain at all: the README's t -0.22 (p 0.58) for "any improvement"
+    gain = sig["any_improvement"]
+    assert gain["t"] == pytest.approx(-0.2217, abs=1e-4) and gain["p_value"] == pytest.approx(0.5823, abs=1e-4)
 
 
 def test_seed_run_problems():
@@ -233,6 +238,8 @@ def test_baseline_comparison_from_real_logs(tiny_seed_runs, tmp_path, capsys):
     reproduce.print_summary(runs, sig)
     out = capsys.readouterr().out
     assert "RECORD" in out and "val_bpb: mean" in out and "tiny-run-s7" in out
+    gain = sig["any_improvement"]
+    assert f"without the margin (any improvement): t {gain['t']:.3f}, p {gain['p_value']:.4g}" in out
 
 
 
