@@ -7,8 +7,9 @@
 Each seed runs `python train.py --config C train.seed=S train.run_id=<name>-s<S> [overrides]` (through
 torch.distributed.run with --nproc-per-node) and is read back from its last stdout line. The record
 rule of the challenge: the mean val_loss must beat the baseline's by at least 0.005 nats, shown by a
-one-sided Welch t-test at p < 0.01 (printed with the same test without the margin: better at all?). A failed run, or one over the 16,000,000-byte cap, makes the
-exit status non-zero and no submission.json is written.
+one-sided Welch t-test at p < 0.01 (printed beside the same test without the margin: better at all?).
+A failed run, or one over the 16,000,000-byte cap, makes the exit status non-zero and no submission.json
+is written.
 
 A seed whose log (<train.log_dir>/<run_id>.txt) already exists is refused up front: train.py appends to
 its log, so a second run would mix two trajectories in one file. With --reuse a finished run there is
