@@ -84,22 +84,38 @@ def main(argv=None) -> dict:
     optimizers = build_optimizers(model.param_groups(), cfg.optim)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model {n_params:,} parameters")
+    val_tokens, lut = load_validation(cfg, dist.rank, log)  # before the loader's thread starts: bad paths fail fast
     loader = TokenLoader(list_shards(cfg.data.train_files), cfg.data.seq_len, cfg.train.micro_batch_seqs,
                          rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed,
                          shards_per_batch=cfg.data.shards_per_batch, prefetch=cfg.data.prefetch, device=device)
+    # Closed however the run ends: a prefetch thread still running when an exception reaches the top aborts
+    # the interpreter's exit (SIGABRT, "terminate called without an active exception") instead of exiting 1.
+    with loader:
+        step_model = torch.compile(model) if cfg.train.compile else model
+        log(f"phase setup {time.perf_counter() - t_setup:.1f} s")
+        return train_and_ship(cfg, dist, model, step_model, optimizers, loader, val_tokens, lut, n_params, log)
+
+
+def load_validation(cfg: Config, rank: int, log):
+    """The validation tokens and the tokenizer's byte table, with the byte accounting audited on rank 0."""
     val_tokens = load_tokens(list_shards(cfg.data.val_files), cfg.eval.max_tokens)
     lut = build_byte_lut(cfg.data.tokenizer)
     if len(lut.base_bytes) != cfg.model.vocab_size:
         raise SystemExit(f"{cfg.data.tokenizer} has {len(lut.base_bytes)} ids but model.vocab_size="
                          f"{cfg.model.vocab_size} (hint: set model.vocab_size={len(lut.base_bytes)})")
-    if dist.rank == 0:  # BPB's denominator must be the decoded text's UTF-8 length, exactly
+    if rank == 0:  # BPB's denominator must be the decoded text's UTF-8 length, exactly
         counted, decoded = audit_bytes(val_tokens, load_sp(cfg.data.tokenizer), lut)
         if counted != decoded:
             raise SystemExit(f"byte accounting mismatch on the validation tokens: counted {counted:,}, "
                              f"decoded text has {decoded:,} UTF-8 bytes (hint: tokenizer/shard mismatch?)")
         log(f"byte audit: {counted:,} bytes counted = UTF-8 length of the decoded validation text")
-    step_model = torch.compile(model) if cfg.train.compile else model
-    log(f"phase setup {time.perf_counter() - t_setup:.1f} s")
+    return val_tokens, lut
+
+
+def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val_tokens, lut, n_params: int,
+                   log) -> dict:
+    """Train within the budget (resuming if asked), export the capped artifact, score it: the final record."""
+    device, run_id = dist.device, cfg.train.run_id
     if cfg.train.compile:
         warm_up_compile(step_model, model, loader, optimizers, cfg, grad_accum_steps(cfg, dist.world_size), device, log)
     ema = maybe_ema(model, cfg.optim)

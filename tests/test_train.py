@@ -158,6 +158,29 @@ def test_artifact_over_the_cap_is_never_reported_as_success(demo_dir, tmp_path, 
     assert "val_bpb" not in final and final["pre_quant_val_bpb"] > 0
 
 
+def test_an_error_mid_run_closes_the_loader_and_exits_cleanly(demo_dir, tmp_path):
+    """An exception after the prefetch thread started (here: in training) reaches the caller with the loader
+    closed. Left running, that thread made the interpreter abort at exit (status 134, "terminate called
+    without an active exception") instead of exiting 1 with the error."""
+    import subprocess
+    script = (
+        "import sys, threading, train\n"
+        "def fail(*a, **k):\n"
+        "    assert any(t.name == 'TokenLoader' for t in threading.enumerate())  # the thread is up\n"
+        "    raise RuntimeError('injected failure')\n"
+        "train.run_training = fail\n"
+        "try:\n"
+        "    train.main(sys.argv[1:])\n"
+        "finally:\n"
+        "    print('loader threads left:', sum(t.name == 'TokenLoader' for t in threading.enumerate()))\n")
+    done = subprocess.run([sys.executable, "-c", script, "--config", str(REPO / "configs/demo.toml"),
+                           *tiny_overrides(demo_dir, tmp_path)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "RuntimeError: injected failure" in done.stderr and "terminate called" not in done.stderr
+    assert "loader threads left: 0" in done.stdout
+
+
 @pytest.mark.slow
 def test_readme_demo_command_completes():
     """`scripts/run_demo.sh` as the README shows it (a shorter budget: the path is the same)."""
