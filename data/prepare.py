@@ -21,7 +21,9 @@ import itertools
 import json
 import multiprocessing
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -88,20 +90,32 @@ def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
         yield chunk
 
 
-def _clear_outputs(out_dir: Path, overwrite: bool) -> None:
+def _old_outputs(out_dir: Path, overwrite: bool) -> list[Path]:
+    """The shards and manifest already in out_dir: refused up front without overwrite, else replaced only
+    once the new set is complete (so a bad input or an interruption keeps the old set)."""
     old = sorted(out_dir.glob("fineweb_*.bin")) + ([out_dir / "manifest.json"] if (out_dir / "manifest.json").exists() else [])
     if old and not overwrite:
         raise FileExistsError(f"{out_dir} already holds {len(old)} shard/manifest files (e.g. {old[0].name}); "
                               "mixing runs would corrupt the split (hint: pass --overwrite or choose an empty --out)")
-    for path in old:
-        path.unlink()
+    return old
+
+
+def _swap_in(staging: Path, out_dir: Path, old: list[Path]) -> None:
+    """Replace the old outputs with the staged ones by renames on one filesystem. The manifest goes first
+    and comes back last: a folder caught between the two has no manifest, which marks it incomplete."""
+    for path in sorted(old, key=lambda q: q.name != "manifest.json"):
+        path.unlink(missing_ok=True)
+    for path in sorted(staging.glob("fineweb_*.bin")):
+        os.replace(path, out_dir / path.name)
+    os.replace(staging / "manifest.json", out_dir / "manifest.json")
 
 
 def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: str | os.PathLike, *,
                    shard_tokens: int = 100_000_000, workers: int | None = None, overwrite: bool = False,
                    extra_manifest: dict | None = None) -> dict:
-    """Tokenize each split's documents into shards under `out_dir` and write manifest.json (last, atomically:
-    its presence means the shards are complete). Returns the manifest."""
+    """Tokenize each split's documents into shards under `out_dir`, with manifest.json (its presence means the
+    shards are complete). All are staged in a hidden folder inside out_dir and moved in, manifest last, once
+    written: a failed or interrupted run leaves out_dir as it was. Returns the manifest."""
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
     unknown = set(splits) - set(SPLITS)
@@ -112,7 +126,7 @@ def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: st
         raise ValueError(f"{tokenizer}: vocab size {sp.get_piece_size()} does not fit uint16 shards")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _clear_outputs(out, overwrite)
+    old = _old_outputs(out, overwrite)
     workers = workers or os.cpu_count() or 1
     manifest = {"tokenizer": str(tokenizer), "tokenizer_sha256": file_sha256(tokenizer),
                 "vocab_size": sp.get_piece_size(), "shard_tokens": shard_tokens, "bos_id": BOS_ID,
@@ -121,13 +135,19 @@ def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: st
     # forkserver: workers fork from a clean single-threaded server, never from this (maybe threaded) process
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
-    with context.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer),)) as pool:
-        for split, texts in splits.items():
-            manifest["splits"][split] = _tokenize_split(pool, workers, texts, ShardWriter(out, split, shard_tokens))
-    manifest.update(extra_manifest or {})
-    tmp = out / f".manifest.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    os.replace(tmp, out / "manifest.json")
+    # Shards are written to a staging folder inside out_dir and moved in once all splits and the manifest are
+    # done; whatever fails before (a missing input, a bad line, Ctrl-C) leaves out_dir as it was.
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
+    try:
+        with context.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer),)) as pool:
+            for split, texts in splits.items():
+                writer = ShardWriter(staging, split, shard_tokens)
+                manifest["splits"][split] = _tokenize_split(pool, workers, texts, writer)
+        manifest.update(extra_manifest or {})
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        _swap_in(staging, out, old)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return manifest
 
 

@@ -78,7 +78,9 @@ def test_separate_val_input_and_overwrite(demo_text, tmp_path):
         prepare([str(d / "docs.txt")], model, tmp_path / "y", val_docs=10_000)
 
 
-def test_interrupted_run_leaves_no_valid_looking_partial_output(demo_text, tmp_path, monkeypatch):
+def test_an_interrupted_run_leaves_the_folder_as_it_was(demo_text, tmp_path, monkeypatch):
+    """Shards are staged and moved in only when every split and the manifest are done: killed midway, a
+    first run leaves an empty folder, and an --overwrite run leaves the old set whole (nothing staged left)."""
     d, _, model = demo_text
     import data.prepare as prep
     real_write, calls = prep.write_shard, []
@@ -90,11 +92,19 @@ def test_interrupted_run_leaves_no_valid_looking_partial_output(demo_text, tmp_p
         real_write(path, tokens)
     monkeypatch.setattr(prep, "write_shard", write_then_die)
     with pytest.raises(KeyboardInterrupt):
-        prepare([str(d / "docs.txt")], model, tmp_path, shard_tokens=3_000, workers=1)
-    assert not (tmp_path / "manifest.json").exists()  # the run never claims completion
-    files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["fineweb_train_000000.bin", "fineweb_train_000001.bin"]  # complete shards only
-    assert all(len(read_shard(tmp_path / f)) == 3_000 for f in files)
+        prepare([str(d / "docs.txt")], model, tmp_path / "first", shard_tokens=3_000, workers=1)
+    assert list((tmp_path / "first").iterdir()) == []
+
+    old = prepare([str(d / "docs.txt")], model, tmp_path / "kept", shard_tokens=20_000, workers=1)
+    before = {f.name: f.read_bytes() for f in (tmp_path / "kept").iterdir()}
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(d / "docs.txt")], model, tmp_path / "kept", shard_tokens=3_000, workers=1, overwrite=True)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "kept").iterdir()} == before  # no staging folder either
+    assert json.loads(before["manifest.json"]) == old
+    with pytest.raises(FileNotFoundError, match="no such text file"):  # a bad input: the same
+        prepare([str(d / "missing.txt")], model, tmp_path / "kept", workers=1, overwrite=True)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "kept").iterdir()} == before
 
 
 def test_prepare_cli_flags(demo_text, tmp_path):
