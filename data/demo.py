@@ -17,6 +17,7 @@ decoding the shards gives back the generated documents exactly.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import time
@@ -49,6 +50,25 @@ def unigram_bits(sp, docs: list[str]) -> float:
     return float(-(counts * np.log2(counts / counts.sum())).sum())
 
 
+DEMO_KIND = "demo word-level Markov chain (data/demo_source.py)"
+
+
+def refuse_other_corpora(out: Path) -> None:
+    """A demo replaces an earlier demo in its folder (its shards and tokenizer), never shards of another
+    corpus: those stay unless the user moves them."""
+    manifest = out / "manifest.json"
+    if not manifest.exists() and not any(out.glob("fineweb_*.bin")):
+        return
+    try:
+        kind = json.loads(manifest.read_text()).get("source", {}).get("kind") if manifest.exists() else None
+    except (json.JSONDecodeError, AttributeError):
+        kind = None
+    if kind != DEMO_KIND:
+        found = "its manifest.json names no demo source" if manifest.exists() else "shards, no manifest.json"
+        raise FileExistsError(f"{out} holds shards of another corpus ({found}), which the demo would replace "
+                              "(hint: choose an empty --out, e.g. runs/demo/data)")
+
+
 def make_demo(out_dir: str | os.PathLike, seed: int = 0, train_docs: int = DEFAULT_TRAIN_DOCS,
               val_docs: int = DEFAULT_VAL_DOCS) -> dict:
     """Generate the corpus, train its tokenizer, write shards and manifest into `out_dir`; returns the
@@ -56,6 +76,7 @@ def make_demo(out_dir: str | os.PathLike, seed: int = 0, train_docs: int = DEFAU
     if train_docs < 1 or val_docs < 1:
         raise ValueError(f"train_docs ({train_docs}) and val_docs ({val_docs}) must be >= 1")
     out = Path(out_dir)
+    refuse_other_corpora(out)
     out.mkdir(parents=True, exist_ok=True)
     src = build_source(seed)
     rate = entropy_rate(src)
@@ -74,7 +95,7 @@ def make_demo(out_dir: str | os.PathLike, seed: int = 0, train_docs: int = DEFAU
         "source_entropy_bits_per_byte": rate["bits_per_byte"],
         "val_source_bits_per_byte": split_code_length(src, val) / val_bytes,
         "val_unigram_bits_per_byte": unigram_bits(load_sp(model), val) / val_bytes,
-        "source": {"kind": "demo word-level Markov chain (data/demo_source.py)", "seed": seed,
+        "source": {"kind": DEMO_KIND, "seed": seed,
                    "words": src.n_words, "doc_end_prob": src.doc_end_prob, **rate},
     }
     manifest = prepare_splits({"val": val, "train": train}, model, out, shard_tokens=SHARD_TOKENS,

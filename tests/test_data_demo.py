@@ -102,3 +102,18 @@ def test_demo_cli_is_deterministic_per_seed(tmp_path, small_demo):
         assert (tmp_path / "a" / name).read_bytes() == (ref_dir / name).read_bytes(), name
     make_demo(tmp_path / "b", seed=4, train_docs=400, val_docs=60)
     assert (tmp_path / "b" / "fineweb_val_000000.bin").read_bytes() != (ref_dir / "fineweb_val_000000.bin").read_bytes()
+
+
+def test_make_demo_refuses_a_folder_with_another_corpus(tmp_path):
+    """Only an earlier demo is replaced: shards without a manifest, or with another corpus's manifest, stay."""
+    from data.demo import make_demo
+    for name, manifest in (("bare", None), ("prepared", '{"splits": {}}'), ("broken", "{not json")):
+        out = tmp_path / name
+        out.mkdir()
+        (out / "fineweb_train_000000.bin").write_bytes(b"real data")
+        if manifest is not None:
+            (out / "manifest.json").write_text(manifest)
+        with pytest.raises(FileExistsError, match="another corpus"):
+            make_demo(out, train_docs=5, val_docs=2)
+        assert (out / "fineweb_train_000000.bin").read_bytes() == b"real data"
+        assert not (out / "tokenizer.model").exists()
