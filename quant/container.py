@@ -189,7 +189,14 @@ def load_artifact(path: str | os.PathLike, stored: bool = False) -> tuple[dict, 
     study the payload itself (scripts/bench_compress.py --artifact)."""
     with open(path, "rb") as f:
         data = f.read()
-    header, payload = _verified_parts(os.fspath(path), data)
+    return parse_artifact(data, os.fspath(path), stored)
+
+
+def parse_artifact(data: bytes, where: str, stored: bool = False) -> tuple[dict, dict]:
+    """load_artifact on the file's bytes (`where` names them in errors): to check an artifact before it is
+    written over an older one."""
+    path = where
+    header, payload = _verified_parts(where, data)
     codec = header["codec"]
     tensors = {}
     for entry in header["tensors"]:

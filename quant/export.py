@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from quant.allocate import FALLBACK_BITS, HIGH_BITS, LOW_BITS, allocate_bits, allocate_lagrangian, allocation_log
 from quant.calibrate import collect_hessians, collect_output_fisher
-from quant.container import ChunkCache, build_artifact, check_meta, dequantize_state, load_artifact, save_artifact
+from quant.container import ChunkCache, atomic_write, build_artifact, check_meta, dequantize_state, parse_artifact
 from quant.gptq import gptq_quantize, row_errors, rtn_quantize
 from quant.options import ALLOCATORS, ERROR_WEIGHTS, METHODS, MIN_BITS, OBSERVED_BITS, TABLE_BITS
 from quant.pack import QuantizedTensor
@@ -221,8 +221,10 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
 
     t = time.perf_counter()
     quantized = compose(bits)
-    written = save_artifact(path, meta, quantized, codec, layout, cache)
-    _verify_round_trip(path, quantized, written, size)
+    data = build_artifact(meta, quantized, codec, layout, cache)
+    _verify_round_trip(path, data, quantized, size)  # before the write: a bad artifact never replaces a good one
+    atomic_write(path, data)
+    written = len(data)
     timings["save_verify_s"] = time.perf_counter() - t
 
     matrices = allocation_log(sensitivity, bits, details)
@@ -249,15 +251,16 @@ def chunk_bytes(candidates: dict[str, dict[int, QuantizedTensor]], cache: ChunkC
     return out
 
 
-def _verify_round_trip(path: str, quantized: dict, written: int, measured: int) -> None:
-    if written != measured:
-        raise RuntimeError(f"{path}: wrote {written} bytes but the allocator measured {measured} for the same choice")
-    _, loaded = load_artifact(path)
+def _verify_round_trip(path: str, data: bytes, quantized: dict, measured: int) -> None:
+    """The artifact's bytes are the size the allocator measured and load back to exactly the quantized tensors."""
+    if len(data) != measured:
+        raise RuntimeError(f"{path}: built {len(data)} bytes but the allocator measured {measured} for the same choice")
+    _, loaded = parse_artifact(data, path)
     expected = dequantize_state(quantized)
     bad = [n for n in expected if n not in loaded or not torch.equal(loaded[n], expected[n])]
     if bad or set(loaded) != set(expected):
         raise RuntimeError(f"{path}: the artifact does not load back to the quantized tensors (first mismatch: "
-                           f"{(bad or sorted(set(loaded) ^ set(expected)))[0]!r})")
+                           f"{(bad or sorted(set(loaded) ^ set(expected)))[0]!r}); nothing was written")
 
 
 def _log_report(report: dict, log: Callable[[str], None]) -> None:

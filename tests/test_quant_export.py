@@ -135,6 +135,25 @@ def test_export_refuses_impossible_budget_and_bad_arguments(tmp_path, model):
         export_artifact(model, calib(), str(tmp_path / "x.art"), {"model_config": {}}, 10**7)
 
 
+def test_an_artifact_that_fails_its_check_never_replaces_the_old_one(tmp_path, model, monkeypatch):
+    """The round-trip check runs on the built bytes before the write: the artifact a run exported before (same
+    run_id, a resumed run) stays whole when the new one does not load back to what was quantized."""
+    import quant.export as export
+    path = tmp_path / "run.mhcg"
+    run_export(model, path, 10**7)
+    before = path.read_bytes()
+    real_parse = export.parse_artifact
+
+    def parse_one_tensor_short(data, where, stored=False):
+        meta, tensors = real_parse(data, where, stored)
+        tensors.pop(sorted(tensors)[0])
+        return meta, tensors
+    monkeypatch.setattr(export, "parse_artifact", parse_one_tensor_short)
+    with pytest.raises(RuntimeError, match="does not load back.*nothing was written"):
+        run_export(model, path, 10**7, method="rtn")
+    assert path.read_bytes() == before and [f.name for f in tmp_path.iterdir()] == ["run.mhcg"]
+
+
 def test_export_refuses_tied_weights(tmp_path):
     m = TinyGPT()
     m.head = nn.Linear(32, 64, bias=False)
