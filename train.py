@@ -23,7 +23,7 @@ from data.shards import list_shards
 from data.tokenizer import build_byte_lut, file_sha256, load_sp
 from model.gpt import GPT
 from scripts.evaluate import evaluate_artifact
-from training.checkpoint import Checkpointer, Resumed, load_checkpoint, resolve_resume
+from training.checkpoint import Checkpointer, Resumed, load_checkpoint, refuse_later_checkpoints, resolve_resume
 from training.config import Config, load_config, to_dict
 from training.distributed import destroy, init_distributed
 from training.ema import maybe_ema
@@ -127,6 +127,7 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
     if resume_from is not None:
         start = load_checkpoint(resume_from, model, optimizers, ema, loader, dist.rank, dist.world_size)
         log(f"resumed from {resume_from}: step {start.step}, {start.train_time_s:.1f} s of training done")
+    refuse_later_checkpoints(ckpt_dir, start.step)  # periodic or not, a signal writes one
 
     def evaluate(m=model) -> dict:
         return evaluate_bpb(m, val_tokens, lut, context=cfg.eval.context, stride=cfg.eval.stride,

@@ -116,3 +116,42 @@ def test_checkpoints_keep_only_the_newest_and_ignore_unfinished(tmp_path):
     assert resolve_resume("", tmp_path) is None
     with pytest.raises(FileNotFoundError, match="train.resume"):
         resolve_resume(str(tmp_path / "nope"), tmp_path)
+
+
+def test_a_step_written_again_replaces_its_folder_and_stays_and_stale_writes_go(tmp_path):
+    """Resumed from step 4 with step 6 of the first trajectory kept aside by the user: step 6 is written again
+    over the old folder (a rename cannot replace a non-empty one), the checkpoint just written survives
+    pruning even where older-numbered ones would sort after it, and half-written folders are removed."""
+    import torch
+    from training.checkpoint import Checkpointer, checkpoint_step, refuse_later_checkpoints
+
+    class Dummy:
+        def __init__(self, value):
+            self.value = value
+
+        def state_dict(self):
+            return {"w": torch.full((2,), float(self.value))}
+
+    loader = type("L", (), {"state_dict": lambda self: {"pos": 0}})()
+    ck = Checkpointer(tmp_path, every_steps=2, keep=2, rank=0, world_size=1)
+    for step in (2, 4, 6):
+        ck.save(step, float(step), Dummy(step), [], None, loader)
+    ck.save(6, 6.0, Dummy(60), [], None, loader)  # the same step again, other weights
+    assert torch.load(tmp_path / "step_00000006" / "rank0.pt", weights_only=True)["model"]["w"][0] == 60
+    ck.save(2, 2.0, Dummy(20), [], None, loader)  # an older step: it stays, the oldest other one goes
+    assert [checkpoint_step(p) for p in complete_checkpoints(tmp_path)] == [2, 6]
+    (tmp_path / "step_00000008.tmp").mkdir()  # a killed write
+    Checkpointer(tmp_path, every_steps=0, keep=2, rank=0, world_size=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000006"]
+    refuse_later_checkpoints(tmp_path, 6)
+    with pytest.raises(FileExistsError, match=r"2 checkpoint\(s\) past step 0 .*train.resume=latest"):
+        refuse_later_checkpoints(tmp_path, 0)
+
+
+def test_a_fresh_run_refuses_a_folder_with_checkpoints_of_its_run_id(corpus, tmp_path):
+    """train.py with a run_id whose folder holds checkpoints: started afresh, it would share them (and
+    train.resume=latest would later continue the old trajectory), so it stops before training."""
+    run(args(corpus, tmp_path, "again", "train.max_steps=4", "train.checkpoint_every=2"))
+    done = subprocess.run(args(corpus, tmp_path, "again", "train.max_steps=4", "train.checkpoint_every=2"),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1 and "checkpoint(s) past step 0" in done.stderr, done.stderr[-2000:]

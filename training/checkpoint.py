@@ -2,7 +2,8 @@
 
 Layout: <dir>/step_<N>/rank<r>.pt, one file per rank (Muon's momentum is sharded: each rank owns
 part of it), written as `step_<N>.tmp/` and renamed by rank 0 once every rank has written, so a
-killed run never leaves a directory that looks complete. Only the last `keep` are kept.
+killed run never leaves a directory that looks complete (and a new Checkpointer removes such leftovers).
+The one just written is kept with the newest `keep` - 1 others.
 
 Checkpoints are not artifacts: they hold optimizer state for resuming, and are loaded with
 `torch.load(weights_only=True)`, which refuses anything but tensors and plain containers.
@@ -33,7 +34,22 @@ def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
     if not ckpt_dir.is_dir():
         return []
     found = [p for p in ckpt_dir.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(STEP_DIR.match(path.name).group(1))
+
+
+def refuse_later_checkpoints(ckpt_dir: Path, start_step: int) -> None:
+    """A run starting at `start_step` (0, or the step it resumes from) must not share its folder with
+    checkpoints past that step: they are another trajectory of this run_id, which train.resume=latest would
+    pick up and which pruning would mix with this run's."""
+    later = [p for p in complete_checkpoints(ckpt_dir) if checkpoint_step(p) > start_step]
+    if later:
+        raise FileExistsError(f"{ckpt_dir} holds {len(later)} checkpoint(s) past step {start_step} from another run "
+                              f"with this run_id (e.g. {later[-1].name}); hint: train.resume=latest continues the "
+                              "newest, a new train.run_id starts afresh, or move them away")
 
 
 def resolve_resume(resume: str, ckpt_dir: Path) -> Path | None:
@@ -58,6 +74,9 @@ class Checkpointer:
         self.rank, self.world = rank, world_size
         self.stop_requested = False
         self._previous_handlers = {}
+        if rank == 0 and ckpt_dir.is_dir():  # writes a killed run left half done
+            for stale in ckpt_dir.glob("step_*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
 
     def install_signal_handlers(self) -> None:
         def request_stop(signum, frame):
@@ -94,15 +113,34 @@ class Checkpointer:
             if ema is not None:
                 state["ema"] = ema.state_dict()
         part = tmp / f"rank{self.rank}.pt"
-        torch.save(state, str(part) + ".part")
-        os.replace(str(part) + ".part", part)
+        try:
+            torch.save(state, str(part) + ".part")
+            os.replace(str(part) + ".part", part)
+        except BaseException:  # disk full, say: no half-written folder of possibly gigabytes stays behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         self._barrier()
         if self.rank == 0:
-            os.replace(tmp, final)
-            for old in complete_checkpoints(self.dir)[:-self.keep]:
+            self._publish(tmp, final)
+            # the checkpoint just written always stays, with the newest keep - 1 others
+            others = [p for p in complete_checkpoints(self.dir) if p != final]
+            for old in others[:max(0, len(others) - (self.keep - 1))]:
                 shutil.rmtree(old, ignore_errors=True)
         self._barrier()
         return final
+
+    @staticmethod
+    def _publish(tmp: Path, final: Path) -> None:
+        """Rename the finished folder into place. A folder of that step already there (a run that resumed
+        from it writes it again) goes aside first: a rename cannot replace a non-empty folder."""
+        if final.exists():
+            aside = final.with_name(final.name + ".replaced")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
+            os.replace(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
 
     def _barrier(self) -> None:
         if self.world > 1:
