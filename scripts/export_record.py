@@ -19,8 +19,11 @@ import base64
 import json
 import lzma
 import math
+import os
 import re
+import shutil
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -98,11 +101,20 @@ def unpack_modules(blob: bytes) -> dict:
 
 
 def write_sources(out: Path) -> None:
+    """The embedded modules as files under `out`, refusing to write over any file (a checkout, say)."""
+    paths = {}
     for name, (is_package, source) in sorted(MODULES.items()):
         parts = name.split(".")
-        path = out.joinpath(*parts, "__init__.py") if is_package else out.joinpath(*parts[:-1], parts[-1] + ".py")
+        paths[out.joinpath(*parts, "__init__.py") if is_package else out.joinpath(*parts[:-1], parts[-1] + ".py")] = source
+    existing = [str(p) for p in paths if p.exists()]
+    if existing:
+        raise SystemExit(f"--unpack {out}: {len(existing)} of the {len(paths)} files exist already (e.g. "
+                         f"{existing[0]}); nothing was written (hint: unpack into an empty folder)")
+    for path, source in paths.items():
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(source, encoding="utf-8")
+        part = path.with_name(path.name + ".part")
+        part.write_text(source, encoding="utf-8")
+        part.replace(path)
     print(f"wrote {len(MODULES)} modules under {out}")
 
 
@@ -351,27 +363,34 @@ def check_runs(logs: list[RunLogData]) -> list[SeedResult]:
 
 
 def write_record(out: Path, files: dict[str, bytes], force: bool) -> None:
-    """Write `files` in order (submission.json last); on any failure remove what this call wrote."""
+    """Write `files` into a staging folder beside `out`, check the config there, then put the folder in place
+    by renames. With --force the old record's other files (not its seed logs) move into the new one, and the
+    old record is removed only once the new one is in place: any failure leaves `out` as it was."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise FileExistsError(f"{out} exists and is not empty (hint: --force replaces the record's files)")
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
     try:
         for name, data in files.items():
-            write_atomic(out / name, data)
-            written.append(out / name)
-            if name == "config.toml":
-                load_config(out / name)  # the shipped code must accept the shipped config
-    except BaseException:
-        for path in written:
-            path.unlink(missing_ok=True)
-        if created:
-            out.rmdir()
-        raise
-    for stale in out.glob("train_seed*.log"):  # logs of an earlier export that --force replaced
-        if stale.name not in files:
-            stale.unlink()
+            write_atomic(staging / name, data)
+        if "config.toml" in files:
+            load_config(staging / "config.toml")  # the shipped code must accept the shipped config
+        if out.exists():
+            for kept in out.iterdir():  # the user's own additions; an earlier export's seed logs are replaced
+                if kept.name in files or kept.name.startswith("train_seed"):
+                    continue
+                if kept.is_dir():
+                    shutil.copytree(kept, staging / kept.name, symlinks=True)
+                else:
+                    shutil.copy2(kept, staging / kept.name)
+            aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
+            os.replace(out, aside / out.name)
+            os.replace(staging, out)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def main(argv=None) -> Path:

@@ -17,7 +17,7 @@ from scripts import export_record
 from scripts.export_record import (collect_modules, config_toml, embedded_sources, generate_script, imported_names,
                                    record_config, source_literal)
 from scripts.runlog import parse_lines, parse_log
-from training.config import load_config, to_dict
+from training.config import ConfigError, load_config, to_dict
 
 
 def test_collect_modules_follows_imports_including_lazy_ones():
@@ -71,6 +71,11 @@ def test_packed_script_is_a_third_of_the_plain_one_and_unpacks_to_the_sources(tm
     for name, (path, is_pkg) in modules.items():
         rel = path.relative_to(REPO)
         assert (tmp_path / "src" / rel).read_text() == path.read_text(), rel
+    (tmp_path / "src" / "train.py").write_text("# edited")  # unpacking again would overwrite an edit
+    again = subprocess.run([sys.executable, str(script), "--unpack", str(tmp_path / "src")], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert again.returncode != 0 and "exist already" in again.stderr and "nothing was written" in again.stderr
+    assert (tmp_path / "src" / "train.py").read_text() == "# edited"
 
 
 def test_config_toml_reads_back_through_load_config(tiny_seed_runs, tmp_path):
@@ -152,6 +157,26 @@ def test_existing_record_needs_force(tiny_seed_runs, tmp_path):
     export(tiny_seed_runs, out, "--force", "--github-id", "other")
     assert json.loads((out / "submission.json").read_text())["github_id"] == "other"
     assert not (out / "train_seed99.log").exists(), "a replaced record keeps no stale seed log"
+
+
+def test_a_failed_forced_export_leaves_the_old_record_whole(tiny_seed_runs, tmp_path, monkeypatch):
+    """--force builds the new record beside the old one: a failure (here the shipped config refused) leaves
+    every old file as it was and no staging folder; a successful one keeps the user's own additions."""
+    out = export(tiny_seed_runs, tmp_path / "rec")
+    (out / "notes.md").write_text("mine")
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+
+    def refuse(path, overrides=()):
+        raise ConfigError(f"{path}: refused for the test")
+    monkeypatch.setattr(export_record, "load_config", refuse)
+    with pytest.raises(SystemExit, match="refused for the test"):
+        export(tiny_seed_runs, out, "--force", "--github-id", "other")
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["rec"]
+    monkeypatch.undo()
+    export(tiny_seed_runs, out, "--force", "--github-id", "other")
+    assert (out / "notes.md").read_text() == "mine" and sorted(f.name for f in tmp_path.iterdir()) == ["rec"]
+    assert json.loads((out / "submission.json").read_text())["github_id"] == "other"
 
 
 def test_baseline_adds_the_significance_block(tiny_seed_runs, tmp_path):
