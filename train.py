@@ -14,13 +14,15 @@ import copy
 import json
 import time
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed
 
 from data.loader import TokenLoader, load_tokens
 from data.shards import list_shards
-from data.tokenizer import build_byte_lut, file_sha256, load_sp
+from data.tokenizer import ByteLUT, build_byte_lut, file_sha256, load_sp
 from model.gpt import GPT
 from scripts.evaluate import evaluate_artifact
 from training.checkpoint import Checkpointer, Resumed, load_checkpoint, refuse_later_checkpoints, resolve_resume
@@ -84,7 +86,7 @@ def main(argv=None) -> dict:
     optimizers = build_optimizers(model.param_groups(), cfg.optim)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model {n_params:,} parameters")
-    val_tokens, lut = load_validation(cfg, dist.rank, log)  # before the loader's thread starts: bad paths fail fast
+    val = load_validation(cfg, dist.rank, log)  # before the loader's thread starts: bad paths fail fast
     loader = TokenLoader(list_shards(cfg.data.train_files), cfg.data.seq_len, cfg.train.micro_batch_seqs,
                          rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed,
                          shards_per_batch=cfg.data.shards_per_batch, prefetch=cfg.data.prefetch, device=device)
@@ -93,11 +95,18 @@ def main(argv=None) -> dict:
     with loader:
         step_model = torch.compile(model) if cfg.train.compile else model
         log(f"phase setup {time.perf_counter() - t_setup:.1f} s")
-        return train_and_ship(cfg, dist, model, step_model, optimizers, loader, val_tokens, lut, n_params, log)
+        return train_and_ship(cfg, dist, model, step_model, optimizers, loader, val, n_params, log)
 
 
-def load_validation(cfg: Config, rank: int, log):
-    """The validation tokens and the tokenizer's byte table, with the byte accounting audited on rank 0."""
+class Validation(NamedTuple):
+    tokens: np.ndarray
+    lut: ByteLUT
+    source_entropy: float | None  # bits per byte of the text's source, where its manifest states it (the demo)
+
+
+def load_validation(cfg: Config, rank: int, log) -> Validation:
+    """The validation tokens and the tokenizer's byte table, with the byte accounting audited on rank 0, and the
+    source entropy of the demo corpus."""
     val_tokens = load_tokens(list_shards(cfg.data.val_files), cfg.eval.max_tokens)
     lut = build_byte_lut(cfg.data.tokenizer)
     if len(lut.base_bytes) != cfg.model.vocab_size:
@@ -109,10 +118,10 @@ def load_validation(cfg: Config, rank: int, log):
             raise SystemExit(f"byte accounting mismatch on the validation tokens: counted {counted:,}, "
                              f"decoded text has {decoded:,} UTF-8 bytes (hint: tokenizer/shard mismatch?)")
         log(f"byte audit: {counted:,} bytes counted = UTF-8 length of the decoded validation text")
-    return val_tokens, lut
+    return Validation(val_tokens, lut, source_entropy(cfg))
 
 
-def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val_tokens, lut, n_params: int,
+def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val: Validation, n_params: int,
                    log) -> dict:
     """Train within the budget (resuming if asked), export the capped artifact, score it: the final record."""
     device, run_id = dist.device, cfg.train.run_id
@@ -130,7 +139,7 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
     refuse_later_checkpoints(ckpt_dir, start.step)  # periodic or not, a signal writes one
 
     def evaluate(m=model) -> dict:
-        return evaluate_bpb(m, val_tokens, lut, context=cfg.eval.context, stride=cfg.eval.stride,
+        return evaluate_bpb(m, val.tokens, val.lut, context=cfg.eval.context, stride=cfg.eval.stride,
                             batch_seqs=cfg.eval.batch_seqs, device=device,
                             autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
                             rank=dist.rank, world_size=dist.world_size)
@@ -170,12 +179,12 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
         destroy()
         raise SystemExit(f"no artifact: {export['export_error']}")
     t0 = time.perf_counter()
-    scored = evaluate_artifact(artifact, val_tokens, lut, cfg.eval, device=device, rank=dist.rank,
+    scored = evaluate_artifact(artifact, val.tokens, val.lut, cfg.eval, device=device, rank=dist.rank,
                                world_size=dist.world_size, tokenizer_sha256=file_sha256(cfg.data.tokenizer))
     log.record("eval", stage="artifact", seconds=round(time.perf_counter() - t0, 1), **scored)
     final.update({k: scored[k] for k in ("val_loss", "val_bpb", "tokens", "bytes", "artifact_bytes",
                                          "code_bytes", "total_bytes", "fits_cap")})
-    final["source_entropy_bits_per_byte"] = entropy = source_entropy(cfg)
+    final["source_entropy_bits_per_byte"] = entropy = val.source_entropy
     log(f"summary val_bpb {final['val_bpb']:.4f}" + (f" (source entropy {entropy:.4f} bits/byte)" if entropy else "")
         + f", artifact {final['artifact_bytes']:,} B + code {final['code_bytes']:,} B = {final['total_bytes']:,} B"
         + f" of {cfg.quant.cap_bytes:,}")
@@ -189,11 +198,18 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
 
 
 def source_entropy(cfg: Config) -> float | None:
-    """The demo corpus states its true entropy rate; real data has none."""
+    """The demo corpus states its true entropy rate in the manifest beside its tokenizer; real data has none."""
     manifest = Path(cfg.data.tokenizer).parent / "manifest.json"
-    if manifest.exists():
-        return json.loads(manifest.read_text()).get("source_entropy_bits_per_byte")
-    return None
+    if not manifest.exists():
+        return None
+    try:
+        value = json.loads(manifest.read_text()).get("source_entropy_bits_per_byte")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise SystemExit(f"{manifest}: not a data manifest ({e}); hint: it is read for the demo's source entropy, "
+                         "so regenerate it (python -m data.prepare or data.demo) or move it away") from None
+    if value is not None and not isinstance(value, (int, float)):
+        raise SystemExit(f"{manifest}: source_entropy_bits_per_byte must be a number, got {value!r}")
+    return value
 
 
 if __name__ == "__main__":

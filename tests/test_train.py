@@ -158,6 +158,21 @@ def test_artifact_over_the_cap_is_never_reported_as_success(demo_dir, tmp_path, 
     assert "val_bpb" not in final and final["pre_quant_val_bpb"] > 0
 
 
+def test_a_broken_manifest_beside_the_tokenizer_stops_the_run_at_setup(demo_dir, tmp_path, capsys):
+    """The manifest that states the demo's source entropy is read before training, not after the export,
+    where a bad one used to cost the run its final line."""
+    import shutil
+    import train
+    data = tmp_path / "data"
+    data.mkdir()
+    for f in demo_dir.iterdir():
+        shutil.copy(f, data / f.name)
+    (data / "manifest.json").write_text("{truncated")
+    with pytest.raises(SystemExit, match=r"manifest.json: not a data manifest .*hint"):
+        train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(data, tmp_path)])
+    assert "phase setup" not in capsys.readouterr().out
+
+
 def test_an_error_mid_run_closes_the_loader_and_exits_cleanly(demo_dir, tmp_path):
     """An exception after the prefetch thread started (here: in training) reaches the caller with the loader
     closed. Left running, that thread made the interpreter abort at exit (status 134, "terminate called
