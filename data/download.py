@@ -136,7 +136,10 @@ def load_manifest(repo_id: str, out_dir: Path, retries: int) -> dict:
         raise ValueError(f"{repo_id} has no {MANIFEST}")
     if check_file(local, size) is not None:
         fetch(repo_id, RemoteFile(MANIFEST, local, "manifest"), size, out_dir / "datasets" / ".staging", retries)
-    return json.loads(local.read_text(encoding="utf-8"))
+    try:
+        return json.loads(local.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{local}: not valid JSON ({e}); hint: delete it and run the download again") from None
 
 
 def download(variant: str, train_shards: int, out_dir: Path, repo_id: str = REPO_ID, retries: int = 4) -> list[Path]:

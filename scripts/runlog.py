@@ -131,15 +131,19 @@ def parse_log(path: str | Path) -> RunLogData:
 
 
 def write_atomic(path: str | Path, data: bytes) -> None:
-    """Temp file in the same folder, then os.replace: a reader never sees a half-written file. The
-    mode is what a plain open() would give (mkstemp's is 0600)."""
+    """Temp file in the same folder (created if missing, so a summary written after hours of runs is not lost
+    to a folder that was never made), fsync, then os.replace: a reader never sees a half-written file, even
+    after a power loss. The mode is what a plain open() would give (mkstemp's is 0600)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     umask = os.umask(0)
     os.umask(umask)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:

@@ -155,3 +155,12 @@ def test_a_fresh_run_refuses_a_folder_with_checkpoints_of_its_run_id(corpus, tmp
     done = subprocess.run(args(corpus, tmp_path, "again", "train.max_steps=4", "train.checkpoint_every=2"),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 1 and "checkpoint(s) past step 0" in done.stderr, done.stderr[-2000:]
+
+
+def test_resuming_on_more_ranks_than_wrote_the_checkpoint_says_so(tmp_path):
+    from training.checkpoint import load_checkpoint
+    ck = tmp_path / "step_00000002"
+    ck.mkdir()
+    (ck / "rank0.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"written by 1 rank\(s\), resuming on 2: it has no rank1.pt .*nproc_per_node"):
+        load_checkpoint(ck, None, [], None, None, rank=1, world_size=2)

@@ -60,6 +60,9 @@ def test_bad_files_name_the_file(tmp_path):
     bad.write_text("[modle]\nn_layers = 2\n")
     with pytest.raises(ConfigError, match=r"unknown section \[modle\]"):
         load_config(bad)
+    bad.write_text('[data]\ntrain_files = ["a.bin", "b.bin"]\n')  # a list where one glob pattern goes
+    with pytest.raises(ConfigError, match=r"bad.toml: data.train_files: expected a string, got \['a.bin'"):
+        load_config(bad)
 
 
 def test_conflicts_name_where_the_values_came_from(tmp_path):

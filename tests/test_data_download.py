@@ -140,3 +140,9 @@ def test_no_network_exits_with_one_clear_sentence(tmp_path):
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("data.download: cannot reach the Hugging Face Hub"), out.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_a_manifest_that_is_not_json_is_named_with_a_hint(hub, tmp_path):
+    hub.files[dl.MANIFEST] = b"{broken"
+    with pytest.raises(ValueError, match=r"datasets/manifest.json: not valid JSON .*delete it and run the download"):
+        dl.download("sp1024", 0, tmp_path, retries=1)

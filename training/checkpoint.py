@@ -149,6 +149,10 @@ class Checkpointer:
 
 def load_checkpoint(path: Path, model, optimizers, ema, loader, rank: int, world_size: int) -> Resumed:
     """Restore everything `Checkpointer.save` wrote; the world size must match (Muon's shards)."""
+    if not (path / f"rank{rank}.pt").exists():  # more ranks now than wrote it: say so, not "no such file"
+        written = len(list(path.glob("rank*.pt")))
+        raise ValueError(f"{path}: written by {written} rank(s), resuming on {world_size}: it has no rank{rank}.pt "
+                         "(hint: resume with the same --nproc_per_node)")
     own = torch.load(path / f"rank{rank}.pt", map_location="cpu", weights_only=True)
     if own["world_size"] != world_size:
         raise ValueError(f"{path}: written by {own['world_size']} rank(s), resuming on {world_size} "

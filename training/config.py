@@ -143,7 +143,10 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: expected a number, got {value!r}") from None
     if typ is str:
-        return str(value)
+        if not isinstance(value, str):  # a list or number here would surface later as a puzzling path
+            raise ConfigError(f"{where}: expected a string, got {value!r} (hint: quote it; data paths take one "
+                              "glob pattern, e.g. \"data/x/fineweb_train_*.bin\")")
+        return value
     if getattr(typ, "__origin__", None) is tuple:
         if isinstance(value, str):
             value = ast.literal_eval(value)
