@@ -144,7 +144,10 @@ def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: st
                 writer = ShardWriter(staging, split, shard_tokens)
                 manifest["splits"][split] = _tokenize_split(pool, workers, texts, writer)
         manifest.update(extra_manifest or {})
-        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        with open(staging / "manifest.json", "w") as f:  # durable before it is renamed in, as the shards are
+            f.write(json.dumps(manifest, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
         _swap_in(staging, out, old)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -105,6 +105,8 @@ def _write_atomic(path: str, data: bytes) -> None:
     try:
         with open(tmp, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # durable before the rename, as the shards are
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
