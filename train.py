@@ -25,7 +25,8 @@ from data.shards import list_shards
 from data.tokenizer import ByteLUT, build_byte_lut, file_sha256, load_sp
 from model.gpt import GPT
 from scripts.evaluate import evaluate_artifact
-from training.checkpoint import Checkpointer, Resumed, load_checkpoint, refuse_later_checkpoints, resolve_resume
+from training.checkpoint import (Checkpointer, Resumed, checkpoint_step, load_checkpoint, refuse_later_checkpoints,
+                                 resolve_resume)
 from training.config import Config, load_config, to_dict
 from training.distributed import destroy, init_distributed
 from training.ema import maybe_ema
@@ -125,18 +126,19 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
                    log) -> dict:
     """Train within the budget (resuming if asked), export the capped artifact, score it: the final record."""
     device, run_id = dist.device, cfg.train.run_id
+    ckpt_dir = REPO / cfg.train.out_dir / "checkpoints" / run_id
+    resume_from = resolve_resume(cfg.train.resume, ckpt_dir)
+    # before the compile warm-up (minutes on a GPU): periodic or not, a signal writes a checkpoint
+    refuse_later_checkpoints(ckpt_dir, checkpoint_step(resume_from) if resume_from is not None else 0)
     if cfg.train.compile:
         warm_up_compile(step_model, model, loader, optimizers, cfg, grad_accum_steps(cfg, dist.world_size), device, log)
     ema = maybe_ema(model, cfg.optim)
-    ckpt_dir = REPO / cfg.train.out_dir / "checkpoints" / run_id
     checkpointer = Checkpointer(ckpt_dir, cfg.train.checkpoint_every, cfg.train.checkpoint_keep, dist.rank,
                                 dist.world_size)
     start = Resumed(step=0, train_time_s=0.0)
-    resume_from = resolve_resume(cfg.train.resume, ckpt_dir)
     if resume_from is not None:
         start = load_checkpoint(resume_from, model, optimizers, ema, loader, dist.rank, dist.world_size)
         log(f"resumed from {resume_from}: step {start.step}, {start.train_time_s:.1f} s of training done")
-    refuse_later_checkpoints(ckpt_dir, start.step)  # periodic or not, a signal writes one
 
     def evaluate(m=model) -> dict:
         return evaluate_bpb(m, val.tokens, val.lut, context=cfg.eval.context, stride=cfg.eval.stride,

@@ -127,6 +127,8 @@ def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: st
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     old = _old_outputs(out, overwrite)
+    for leftover in out.glob(".staging-*"):  # what a killed run (SIGKILL: no finally) staged, maybe gigabytes
+        shutil.rmtree(leftover, ignore_errors=True)
     workers = workers or os.cpu_count() or 1
     manifest = {"tokenizer": str(tokenizer), "tokenizer_sha256": file_sha256(tokenizer),
                 "vocab_size": sp.get_piece_size(), "shard_tokens": shard_tokens, "bos_id": BOS_ID,

@@ -370,6 +370,9 @@ def write_record(out: Path, files: dict[str, bytes], force: bool) -> None:
         raise FileExistsError(f"{out} exists and is not empty (hint: --force replaces the record's files)")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # a plain mkdir's mode: mkdtemp's 0700 would make the record private
     try:
         for name, data in files.items():
             write_atomic(staging / name, data)
@@ -377,7 +380,7 @@ def write_record(out: Path, files: dict[str, bytes], force: bool) -> None:
             load_config(staging / "config.toml")  # the shipped code must accept the shipped config
         if out.exists():
             for kept in out.iterdir():  # the user's own additions; an earlier export's seed logs are replaced
-                if kept.name in files or kept.name.startswith("train_seed"):
+                if kept.name in files or (kept.name.startswith("train_seed") and kept.suffix == ".log"):
                     continue
                 if kept.is_dir():
                     shutil.copytree(kept, staging / kept.name, symlinks=True)

@@ -119,9 +119,11 @@ def test_checkpoints_keep_only_the_newest_and_ignore_unfinished(tmp_path):
 
 
 def test_a_step_written_again_replaces_its_folder_and_stays_and_stale_writes_go(tmp_path):
-    """Resumed from step 4 with step 6 of the first trajectory kept aside by the user: step 6 is written again
-    over the old folder (a rename cannot replace a non-empty one), the checkpoint just written survives
-    pruning even where older-numbered ones would sort after it, and half-written folders are removed."""
+    """Checkpointer used directly (train.py refuses these states before training): a step written again
+    replaces its folder (a rename cannot replace a non-empty one), the checkpoint just written survives pruning
+    even where later-numbered ones sort after it, and a new Checkpointer cleans up after a killed run:
+    half-written folders go, and a folder set aside mid-replacement comes back if its replacement never
+    arrived."""
     import torch
     from training.checkpoint import Checkpointer, checkpoint_step, refuse_later_checkpoints
 
@@ -141,8 +143,11 @@ def test_a_step_written_again_replaces_its_folder_and_stays_and_stale_writes_go(
     ck.save(2, 2.0, Dummy(20), [], None, loader)  # an older step: it stays, the oldest other one goes
     assert [checkpoint_step(p) for p in complete_checkpoints(tmp_path)] == [2, 6]
     (tmp_path / "step_00000008.tmp").mkdir()  # a killed write
+    os.replace(tmp_path / "step_00000006", tmp_path / "step_00000006.replaced")  # killed between the renames
+    (tmp_path / "step_00000002.replaced").mkdir()  # killed after them: the old copy is garbage
     Checkpointer(tmp_path, every_steps=0, keep=2, rank=0, world_size=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000006"]
+    assert torch.load(tmp_path / "step_00000006" / "rank0.pt", weights_only=True)["model"]["w"][0] == 60
     refuse_later_checkpoints(tmp_path, 6)
     with pytest.raises(FileExistsError, match=r"2 checkpoint\(s\) past step 0 .*train.resume=latest"):
         refuse_later_checkpoints(tmp_path, 0)

@@ -105,6 +105,10 @@ def test_an_interrupted_run_leaves_the_folder_as_it_was(demo_text, tmp_path, mon
     with pytest.raises(FileNotFoundError, match="no such text file"):  # a bad input: the same
         prepare([str(d / "missing.txt")], model, tmp_path / "kept", workers=1, overwrite=True)
     assert {f.name: f.read_bytes() for f in (tmp_path / "kept").iterdir()} == before
+    (tmp_path / "kept" / ".staging-killed").mkdir()  # SIGKILL skips the cleanup: the next run does it
+    (tmp_path / "kept" / ".staging-killed" / "fineweb_train_000000.bin").write_bytes(b"partial")
+    prepare([str(d / "docs.txt")], model, tmp_path / "kept", shard_tokens=20_000, workers=1, overwrite=True)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "kept").iterdir()} == before
 
 
 def test_prepare_cli_flags(demo_text, tmp_path):

@@ -163,7 +163,11 @@ def test_a_failed_forced_export_leaves_the_old_record_whole(tiny_seed_runs, tmp_
     """--force builds the new record beside the old one: a failure (here the shipped config refused) leaves
     every old file as it was and no staging folder; a successful one keeps the user's own additions."""
     out = export(tiny_seed_runs, tmp_path / "rec")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask  # a plain mkdir's mode, not the staging folder's 0700
     (out / "notes.md").write_text("mine")
+    (out / "train_seed_notes.md").write_text("mine too")  # not a seed log: kept
     before = {f.name: f.read_bytes() for f in out.iterdir()}
 
     def refuse(path, overrides=()):
@@ -176,6 +180,7 @@ def test_a_failed_forced_export_leaves_the_old_record_whole(tiny_seed_runs, tmp_
     monkeypatch.undo()
     export(tiny_seed_runs, out, "--force", "--github-id", "other")
     assert (out / "notes.md").read_text() == "mine" and sorted(f.name for f in tmp_path.iterdir()) == ["rec"]
+    assert (out / "train_seed_notes.md").read_text() == "mine too"
     assert json.loads((out / "submission.json").read_text())["github_id"] == "other"
 
 

@@ -74,9 +74,21 @@ class Checkpointer:
         self.rank, self.world = rank, world_size
         self.stop_requested = False
         self._previous_handlers = {}
-        if rank == 0 and ckpt_dir.is_dir():  # writes a killed run left half done
-            for stale in ckpt_dir.glob("step_*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
+        if rank == 0 and ckpt_dir.is_dir():
+            self._recover(ckpt_dir)
+
+    @staticmethod
+    def _recover(ckpt_dir: Path) -> None:
+        """Undo what a killed run left: half-written folders go; a checkpoint set aside by _publish comes back
+        if the run died before its replacement was in place, else goes."""
+        for stale in ckpt_dir.glob("step_*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        for aside in ckpt_dir.glob("step_*.replaced"):
+            final = aside.with_name(aside.name.removesuffix(".replaced"))
+            if final.exists():
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.replace(aside, final)
 
     def install_signal_handlers(self) -> None:
         def request_stop(signum, frame):
@@ -131,8 +143,9 @@ class Checkpointer:
 
     @staticmethod
     def _publish(tmp: Path, final: Path) -> None:
-        """Rename the finished folder into place. A folder of that step already there (a run that resumed
-        from it writes it again) goes aside first: a rename cannot replace a non-empty folder."""
+        """Rename the finished folder into place. A folder of that step already there goes aside first (a
+        rename cannot replace a non-empty folder). train.py never gets here (it refuses to start beside later
+        checkpoints and saves only after its start step); other users of Checkpointer may."""
         if final.exists():
             aside = final.with_name(final.name + ".replaced")
             shutil.rmtree(aside, ignore_errors=True)
