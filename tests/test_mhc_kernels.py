@@ -410,10 +410,10 @@ def test_gpu_opcheck():
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
-# ---------------------------------------------------------------- scripts/bench_kernels.py
+# ---------------------------------------------------------------- scripts/bench_kernels.py, scripts/mhc_bytes.py
 
 def test_bench_floor_bytes_are_the_stated_count():
-    from scripts.bench_kernels import floor_bytes_per_token
+    from scripts.mhc_bytes import floor_bytes_per_token
     # n=4, C=512: fwd 10*C bf16 + 2*80 B coefficients + 100 B raw/inv_rms; bwd 15*C bf16 + 3*80 + 100
     assert floor_bytes_per_token(4, 512) == {"fwd": 10_500, "bwd": 15_700, "fwd+bwd": 26_200}
 
@@ -426,7 +426,7 @@ def test_bench_kernel_bytes_count_what_each_launch_of_the_unit_passes():
     pytest.importorskip("triton")
     from kernels.mhc_bwd import launch_coef_bwd, launch_dphi, launch_stream_bwd
     from kernels.mhc_fwd import launch_coef_premix
-    from scripts.bench_kernels import design_bound, floor_bytes_per_token, kernel_bytes_per_token, stream_rows
+    from scripts.mhc_bytes import design_bound, floor_bytes_per_token, kernel_bytes_per_token, stream_rows
     from scripts.kernel_resources import Recorder, kernel_name
 
     T, C = 1000, 64
