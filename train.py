@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -108,7 +109,14 @@ class Validation(NamedTuple):
 def load_validation(cfg: Config, rank: int, log) -> Validation:
     """The validation tokens and the tokenizer's byte table, with the byte accounting audited on rank 0, and the
     source entropy of the demo corpus."""
-    val_tokens = load_tokens(list_shards(cfg.data.val_files), cfg.eval.max_tokens)
+    val_files = list_shards(cfg.data.val_files)
+    train_files = {os.path.realpath(f) for f in list_shards(cfg.data.train_files)}
+    shared = sorted(train_files & {os.path.realpath(f) for f in val_files})
+    if shared:  # a score on text the model trained on is no validation score
+        raise SystemExit(f"{shared[0]} is both a training and a validation shard ({len(shared)} shared; hint: "
+                         "data.train_files and data.val_files must match different files, e.g. fineweb_train_*.bin "
+                         "and fineweb_val_*.bin)")
+    val_tokens = load_tokens(val_files, cfg.eval.max_tokens)
     lut = build_byte_lut(cfg.data.tokenizer)
     if len(lut.base_bytes) != cfg.model.vocab_size:
         raise SystemExit(f"{cfg.data.tokenizer} has {len(lut.base_bytes)} ids but model.vocab_size="

@@ -22,13 +22,13 @@ if str(REPO) not in sys.path:  # `python scripts/evaluate.py` as well as `python
 
 from data.loader import load_tokens  # noqa: E402
 from data.shards import list_shards  # noqa: E402
-from data.tokenizer import ByteLUT, build_byte_lut, file_sha256  # noqa: E402
+from data.tokenizer import ByteLUT, build_byte_lut, file_sha256, load_sp  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from quant.container import load_artifact  # noqa: E402
 from quant.size import check_total, code_bytes  # noqa: E402
 from training.config import EVAL_RECORDED, EvalConfig  # noqa: E402
-from training.evaluate import evaluate_bpb  # noqa: E402
+from training.evaluate import audit_bytes, evaluate_bpb  # noqa: E402
 
 
 def load_model(artifact: Path, device: torch.device) -> tuple[GPT, dict]:
@@ -102,7 +102,12 @@ def main(argv=None) -> None:
     except ValueError as e:
         p.error(f"{e} (hint: from --context/--stride/--max-tokens/--batch-seqs, else recorded in {a.artifact})")
     tokens = load_tokens(list_shards(pattern), eval_cfg.max_tokens)
-    result = score_model(Path(a.artifact), model, meta, tokens, build_byte_lut(a.tokenizer), eval_cfg,
+    lut = build_byte_lut(a.tokenizer)
+    counted, decoded = audit_bytes(tokens, load_sp(a.tokenizer), lut)  # BPB's denominator, as train.py checks it
+    if counted != decoded:
+        sys.exit(f"byte accounting mismatch on {pattern}: counted {counted:,} bytes, the decoded text has "
+                 f"{decoded:,} (hint: are these shards tokenized with {a.tokenizer}?)")
+    result = score_model(Path(a.artifact), model, meta, tokens, lut, eval_cfg,
                          device=device, tokenizer_sha256=file_sha256(a.tokenizer))
     print(json.dumps(result, sort_keys=True))
     if not result["fits_cap"]:

@@ -258,6 +258,9 @@ def check_runs(logs: list[RunLogData]) -> list[SeedResult]:
             raise ValueError(f"{log.source}: the run shipped no scored artifact ({final.get('export_error', '?')})")
         if final["total_bytes"] > CAP_BYTES:
             raise ValueError(f"{log.source}: {final['total_bytes']:,} bytes is over the {CAP_BYTES:,}-byte cap")
+        if log.config_value("eval.max_tokens"):
+            raise ValueError(f"{log.source}: scored on the first eval.max_tokens={log.config_value('eval.max_tokens')} "
+                             "validation tokens only; a record is scored on all of them (hint: eval.max_tokens=0)")
         results.append(SeedResult(log.config_value("train.seed"), final, log.versions, log.world_size or 1))
     seeds = [r.seed for r in results]
     if len(set(seeds)) != len(seeds):

@@ -38,10 +38,11 @@ TINY_SEEDS = (7, 8)
 
 
 def tiny_run_overrides(data: Path, tmp: Path) -> list[str]:
-    """test_train's tiny CPU run, shortened further (4 steps, evals every 2), without its fixed run id."""
+    """test_train's tiny CPU run, shortened further (4 steps, evals every 2), without its fixed run id, scored on
+    every validation token as a record must be (the small demo's ~9k)."""
     from test_train import tiny_overrides
     return [o for o in tiny_overrides(data, tmp) if not o.startswith("train.run_id=")] + [
-        "train.max_steps=4", "train.log_every=2", "eval.every_steps=2", "eval.max_tokens=1000",
+        "train.max_steps=4", "train.log_every=2", "eval.every_steps=2", "eval.max_tokens=0",
         "optim.warmup_steps=2"]
 
 

@@ -204,8 +204,15 @@ def test_bad_runs_are_refused_and_nothing_is_written(tiny_seed_runs, tmp_path):
     over.write_text(tiny_seed_runs.logs[1].read_text() + f"final {json.dumps({**final, 'total_bytes': 16_000_001})}\n")
     unscored = tmp_path / "unscored.txt"
     unscored.write_text(f"final {json.dumps({'export_error': 'even all-int5 is over', 'fits_cap': False})}\n")
+    subset = tmp_path / "subset.txt"  # scored on the first 1000 validation tokens only
+    lines = tiny_seed_runs.logs[0].read_text().splitlines()
+    config = next(i for i, line in enumerate(lines) if line.startswith("config "))
+    assert '"max_tokens": 0,' in lines[config]
+    lines[config] = lines[config].replace('"max_tokens": 0,', '"max_tokens": 1000,')
+    subset.write_text("\n".join(lines) + "\n")
     cases = [([unfinished], "unfinished.txt: no `final"), ([over], "over the 16,000,000-byte cap"),
              ([unscored], "unscored.txt: the run shipped no scored artifact \\(even all-int5 is over\\)"),
+             ([subset], "subset.txt: scored on the first eval.max_tokens=1000 validation tokens only"),
              ([tiny_seed_runs.logs[0]] * 2, "runs share a seed")]
     for runs, message in cases:
         with pytest.raises(SystemExit, match=message):

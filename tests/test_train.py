@@ -79,6 +79,10 @@ def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path,
     with pytest.raises(SystemExit):  # a negative cap would silently drop the last tokens
         evaluate.main(args + ["--max-tokens", "-5"])
     assert "eval.max_tokens=-5 must be >= 0" in capsys.readouterr().err
+    # it audits BPB's denominator as train.py does (here a count made to disagree with the decoded text)
+    monkeypatch.setattr(evaluate, "audit_bytes", lambda tokens, sp, lut: (1, 2))
+    with pytest.raises(SystemExit, match="byte accounting mismatch on .*counted 1 bytes, the decoded text has 2"):
+        evaluate.main(args)
 
 
 def test_calibration_on_training_tokens_is_checked_against_its_reserve():
@@ -171,6 +175,14 @@ def test_a_broken_manifest_beside_the_tokenizer_stops_the_run_at_setup(demo_dir,
     with pytest.raises(SystemExit, match=r"manifest.json: not a data manifest .*hint"):
         train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(data, tmp_path)])
     assert "phase setup" not in capsys.readouterr().out
+
+
+def test_validation_shards_that_are_also_training_shards_are_refused(demo_dir, tmp_path):
+    import train
+    overrides = [o for o in tiny_overrides(demo_dir, tmp_path) if not o.startswith("data.val_files=")]
+    with pytest.raises(SystemExit, match=r"fineweb_train_000000.bin is both a training and a validation shard"):
+        train.main(["--config", str(REPO / "configs/demo.toml"), *overrides,
+                    f"data.val_files={demo_dir}/fineweb_*_000000.bin"])
 
 
 def test_an_error_mid_run_closes_the_loader_and_exits_cleanly(demo_dir, tmp_path):
