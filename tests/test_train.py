@@ -177,6 +177,25 @@ def test_a_broken_manifest_beside_the_tokenizer_stops_the_run_at_setup(demo_dir,
     assert "phase setup" not in capsys.readouterr().out
 
 
+def test_periodic_evaluation_does_not_feed_back_into_training(demo_dir, tmp_path, capsys):
+    """eval.every_steps scores the validation tokens during training; the run must train exactly as without
+    it (same step losses, same weights shipped): validation data may never reach the weights."""
+    import train
+    finals, losses = [], []
+    for every in (0, 5):
+        args = ["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path / f"e{every}"),
+                "train.max_steps=12", f"eval.every_steps={every}"]
+        train.main(args)
+        finals.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+        log = (tmp_path / f"e{every}" / "logs" / "tiny.txt").read_text().splitlines()
+        losses.append([json.loads(line[5:])["loss"] for line in log if line.startswith("step ")])
+        evals = [line for line in log if line.startswith("eval ") and '"stage"' not in line]  # periodic ones
+        assert len(evals) == (2 if every else 0), evals
+    assert losses[0] == losses[1]
+    assert finals[0]["pre_quant_val_loss"] == finals[1]["pre_quant_val_loss"]
+    assert finals[0]["val_loss"] == finals[1]["val_loss"]
+
+
 def test_validation_shards_that_are_also_training_shards_are_refused(demo_dir, tmp_path):
     import train
     overrides = [o for o in tiny_overrides(demo_dir, tmp_path) if not o.startswith("data.val_files=")]
