@@ -169,3 +169,25 @@ def test_resuming_on_more_ranks_than_wrote_the_checkpoint_says_so(tmp_path):
     (ck / "rank0.pt").write_bytes(b"")
     with pytest.raises(ValueError, match=r"written by 1 rank\(s\), resuming on 2: it has no rank1.pt .*nproc_per_node"):
         load_checkpoint(ck, None, [], None, None, rank=1, world_size=2)
+
+
+RAN = []
+
+
+class Payload:
+    """Unpickling this calls RAN.append: what a checkpoint loaded without weights_only would execute."""
+
+    def __reduce__(self):
+        return (RAN.append, ("executed",))
+
+
+def test_a_checkpoint_cannot_execute_code_when_loaded(tmp_path):
+    import pickle
+    import torch
+    from training.checkpoint import load_checkpoint
+    ck = tmp_path / "step_00000002"
+    ck.mkdir()
+    torch.save({"world_size": 1, "model": Payload()}, ck / "rank0.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        load_checkpoint(ck, None, [], None, None, rank=0, world_size=1)
+    assert RAN == []
