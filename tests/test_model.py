@@ -33,11 +33,16 @@ def randomize_(model: GPT, scale: float = 0.3) -> GPT:
     return model
 
 
-@pytest.mark.parametrize("n_streams,granularity,blocks", [(1, "sublayer", 0), (4, "sublayer", 0), (4, "block", 0),
-                                                          (2, "block", 0), (2, "sublayer", 1)])
-def test_causal_including_across_document_boundary(n_streams, granularity, blocks):
+@pytest.mark.parametrize("n_streams,granularity,blocks,kernels", [
+    (1, "sublayer", 0, False), (4, "sublayer", 0, False), (4, "block", 0, False), (2, "block", 0, False),
+    (2, "sublayer", 1, False),
+    (4, "sublayer", 0, True), (2, "sublayer", 1, True)])  # the Triton mHC and MLP kernels (interpreted on a CPU)
+def test_causal_including_across_document_boundary(n_streams, granularity, blocks, kernels):
+    if kernels:
+        pytest.importorskip("triton")
     torch.manual_seed(0)
-    model = randomize_(GPT(tiny(n_streams=n_streams, mhc_granularity=granularity, mhc_blocks=blocks))).eval()
+    model = randomize_(GPT(tiny(n_streams=n_streams, mhc_granularity=granularity, mhc_blocks=blocks,
+                                mhc_kernels=kernels, mlp_kernel=kernels))).eval()
     idx = torch.randint(4, 64, (1, 24))
     idx[0, 10] = 1  # BOS: a document boundary inside the sequence
     base = model(idx)
