@@ -22,13 +22,14 @@ import torch
 import torch.distributed
 
 from data.loader import TokenLoader, load_tokens
-from data.shards import list_shards
+from data.shards import ShardError, list_shards
 from data.tokenizer import ByteLUT, build_byte_lut, file_sha256, load_sp
 from model.gpt import GPT
+from quant.container import ArtifactError
 from scripts.evaluate import evaluate_artifact
 from training.checkpoint import (Checkpointer, Resumed, checkpoint_step, load_checkpoint, refuse_later_checkpoints,
                                  resolve_resume)
-from training.config import Config, load_config, to_dict
+from training.config import Config, ConfigError, load_config, to_dict
 from training.distributed import destroy, init_distributed
 from training.ema import maybe_ema
 from training.evaluate import audit_bytes, evaluate_bpb
@@ -222,5 +223,12 @@ def source_entropy(cfg: Config) -> float | None:
     return value
 
 
+# Bad input (a config key, a path, a shard, an artifact, a folder in use): the message names the file or field and
+# gives a hint, so it is printed alone; any other error keeps its traceback.
+INPUT_ERRORS = (ConfigError, ShardError, ArtifactError, FileNotFoundError, FileExistsError)
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except INPUT_ERRORS as e:
+        raise SystemExit(f"train.py: {e}") from None

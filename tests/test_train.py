@@ -204,6 +204,19 @@ def test_validation_shards_that_are_also_training_shards_are_refused(demo_dir, t
                     f"data.val_files={demo_dir}/fineweb_*_000000.bin"])
 
 
+def test_bad_input_is_one_line_without_a_traceback(demo_dir, tmp_path):
+    """On the command line, an input error (here a misspelt key, then a missing tokenizer) prints its message,
+    which names the field or file, with no traceback; exit status 1."""
+    import subprocess
+    base = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/demo.toml"),
+            *tiny_overrides(demo_dir, tmp_path)]
+    cases = [("model.n_layer=2", "train.py: command line: unknown key 'model.n_layer'"),
+             (f"data.tokenizer={tmp_path}/none.model", f"train.py: {tmp_path}/none.model: no such")]
+    for override, message in cases:
+        done = subprocess.run([*base, override], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_an_error_mid_run_closes_the_loader_and_exits_cleanly(demo_dir, tmp_path):
     """An exception after the prefetch thread started (here: in training) reaches the caller with the loader
     closed. Left running, that thread made the interpreter abort at exit (status 134, "terminate called
