@@ -89,8 +89,9 @@ def main(argv=None) -> dict:
     optimizers = build_optimizers(model.param_groups(), cfg.optim)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model {n_params:,} parameters")
-    val = load_validation(cfg, dist.rank, log)  # before the loader's thread starts: bad paths fail fast
-    loader = TokenLoader(list_shards(cfg.data.train_files), cfg.data.seq_len, cfg.train.micro_batch_seqs,
+    train_files = list_shards(cfg.data.train_files)
+    val = load_validation(cfg, train_files, dist.rank, log)  # before the loader's thread starts: bad paths fail fast
+    loader = TokenLoader(train_files, cfg.data.seq_len, cfg.train.micro_batch_seqs,
                          rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed,
                          shards_per_batch=cfg.data.shards_per_batch, prefetch=cfg.data.prefetch, device=device)
     # Closed however the run ends: a prefetch thread still running when an exception reaches the top aborts
@@ -107,12 +108,11 @@ class Validation(NamedTuple):
     source_entropy: float | None  # bits per byte of the text's source, where its manifest states it (the demo)
 
 
-def load_validation(cfg: Config, rank: int, log) -> Validation:
-    """The validation tokens and the tokenizer's byte table, with the byte accounting audited on rank 0, and the
-    source entropy of the demo corpus."""
+def load_validation(cfg: Config, train_files: list[str], rank: int, log) -> Validation:
+    """The validation tokens (none of them in `train_files`) and the tokenizer's byte table, with the byte
+    accounting audited on rank 0, and the source entropy of the demo corpus."""
     val_files = list_shards(cfg.data.val_files)
-    train_files = {os.path.realpath(f) for f in list_shards(cfg.data.train_files)}
-    shared = sorted(train_files & {os.path.realpath(f) for f in val_files})
+    shared = sorted({os.path.realpath(f) for f in train_files} & {os.path.realpath(f) for f in val_files})
     if shared:  # a score on text the model trained on is no validation score
         raise SystemExit(f"{shared[0]} is both a training and a validation shard ({len(shared)} shared; hint: "
                          "data.train_files and data.val_files must match different files, e.g. fineweb_train_*.bin "
@@ -180,7 +180,7 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
         final.update(pre_quant_val_loss=pre["val_loss"], pre_quant_val_bpb=pre["val_bpb"])
 
     artifact = REPO / cfg.train.out_dir / f"{run_id}.mhcg"
-    export = export_model(cfg, model, train_files=list_shards(cfg.data.train_files), rank=dist.rank,
+    export = export_model(cfg, model, train_files=loader.files, rank=dist.rank,
                           world_size=dist.world_size, log=log, artifact_path=artifact,
                           tokenizer_sha256=file_sha256(cfg.data.tokenizer), device=device)
     final.update(export)

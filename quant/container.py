@@ -192,11 +192,10 @@ def load_artifact(path: str | os.PathLike, stored: bool = False) -> tuple[dict, 
     return parse_artifact(data, os.fspath(path), stored)
 
 
-def parse_artifact(data: bytes, where: str, stored: bool = False) -> tuple[dict, dict]:
-    """load_artifact on the file's bytes (`where` names them in errors): to check an artifact before it is
+def parse_artifact(data: bytes, path: str, stored: bool = False) -> tuple[dict, dict]:
+    """load_artifact on the file's bytes (`path` names them in errors): to check an artifact before it is
     written over an older one."""
-    path = where
-    header, payload = _verified_parts(where, data)
+    header, payload = _verified_parts(path, data)
     codec = header["codec"]
     tensors = {}
     for entry in header["tensors"]:

@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:  # `python scripts/export_record.py` as well as `p
 
 from quant.size import CAP_BYTES  # noqa: E402
 from scripts.reproduce import SeedResult, baseline_losses, build_submission, significance  # noqa: E402
-from scripts.runlog import LogFormatError, RunLogData, parse_log, write_atomic  # noqa: E402
+from scripts.runlog import LogFormatError, RunLogData, current_umask, parse_log, write_atomic  # noqa: E402
 from scripts.train_gpt_template import BOOTSTRAP  # noqa: E402
 from training.config import ConfigError, load_config  # noqa: E402
 from training.run_log import git_commit  # noqa: E402
@@ -276,9 +276,7 @@ def write_record(out: Path, files: dict[str, bytes], force: bool) -> None:
         raise FileExistsError(f"{out} exists and is not empty (hint: --force replaces the record's files)")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # a plain mkdir's mode: mkdtemp's 0700 would make the record private
+    os.chmod(staging, 0o777 & ~current_umask())  # a plain mkdir's mode: mkdtemp's 0700 would make it private
     try:
         for name, data in files.items():
             write_atomic(staging / name, data)
@@ -292,12 +290,11 @@ def write_record(out: Path, files: dict[str, bytes], force: bool) -> None:
                     shutil.copytree(kept, staging / kept.name, symlinks=True)
                 else:
                     shutil.copy2(kept, staging / kept.name)
-            aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
+        aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
+        if out.exists():
             os.replace(out, aside / out.name)
-            os.replace(staging, out)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.replace(staging, out)
+        os.replace(staging, out)
+        shutil.rmtree(aside, ignore_errors=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

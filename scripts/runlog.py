@@ -130,14 +130,20 @@ def parse_log(path: str | Path) -> RunLogData:
         return parse_lines(f, str(path))
 
 
+def current_umask() -> int:
+    """The process umask (reading it means setting it, so it is set back at once)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 def write_atomic(path: str | Path, data: bytes) -> None:
     """Temp file in the same folder (created if missing, so a summary written after hours of runs is not lost
     to a folder that was never made), fsync, then os.replace: a reader never sees a half-written file, even
     after a power loss. The mode is what a plain open() would give (mkstemp's is 0600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = current_umask()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

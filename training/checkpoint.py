@@ -146,14 +146,12 @@ class Checkpointer:
         """Rename the finished folder into place. A folder of that step already there goes aside first (a
         rename cannot replace a non-empty folder). train.py never gets here (it refuses to start beside later
         checkpoints and saves only after its start step); other users of Checkpointer may."""
+        aside = final.with_name(final.name + ".replaced")
         if final.exists():
-            aside = final.with_name(final.name + ".replaced")
             shutil.rmtree(aside, ignore_errors=True)
             os.replace(final, aside)
-            os.replace(tmp, final)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
 
     def _barrier(self) -> None:
         if self.world > 1:
