@@ -25,15 +25,15 @@ from data.loader import TokenLoader, load_tokens
 from data.shards import ShardError, list_shards
 from data.tokenizer import ByteLUT, build_byte_lut, file_sha256, load_sp
 from model.gpt import GPT
-from quant.container import ArtifactError
+from quant.container import ArtifactError, CodecUnavailable, require_codec
 from scripts.evaluate import evaluate_artifact
 from training.checkpoint import (Checkpointer, Resumed, checkpoint_step, load_checkpoint, refuse_later_checkpoints,
                                  resolve_resume)
 from training.config import Config, ConfigError, load_config, to_dict
 from training.distributed import destroy, init_distributed
 from training.ema import maybe_ema
-from training.evaluate import audit_bytes, evaluate_bpb
-from training.export import export_model
+from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit
+from training.export import ARTIFACT_CODEC, export_model
 from training.optim import build_optimizers
 from training.run_log import RunLog, git_commit, log_path, maybe_wandb, versions
 from training.trainer import grad_accum_steps, run_training, train_step
@@ -69,6 +69,7 @@ def warm_up_compile(step_model, model, loader, optimizers, cfg: Config, accum: i
 def main(argv=None) -> dict:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    require_codec(ARTIFACT_CODEC)  # on every rank, before anything runs: the export needs it after training
     dist = init_distributed(cfg.train.device)
     device = dist.device
     t_setup = time.perf_counter()
@@ -123,10 +124,8 @@ def load_validation(cfg: Config, train_files: list[str], rank: int, log) -> Vali
         raise SystemExit(f"{cfg.data.tokenizer} has {len(lut.base_bytes)} ids but model.vocab_size="
                          f"{cfg.model.vocab_size} (hint: set model.vocab_size={len(lut.base_bytes)})")
     if rank == 0:  # BPB's denominator must be the decoded text's UTF-8 length, exactly
-        counted, decoded = audit_bytes(val_tokens, load_sp(cfg.data.tokenizer), lut)
-        if counted != decoded:
-            raise SystemExit(f"byte accounting mismatch on the validation tokens: counted {counted:,}, "
-                             f"decoded text has {decoded:,} UTF-8 bytes (hint: tokenizer/shard mismatch?)")
+        counted = require_byte_audit(val_tokens, load_sp(cfg.data.tokenizer), lut, cfg.data.val_files,
+                                     cfg.data.tokenizer)
         log(f"byte audit: {counted:,} bytes counted = UTF-8 length of the decoded validation text")
     return Validation(val_tokens, lut, source_entropy(cfg))
 
@@ -223,9 +222,10 @@ def source_entropy(cfg: Config) -> float | None:
     return value
 
 
-# Bad input (a config key, a path, a shard, an artifact, a folder in use): the message names the file or field and
-# gives a hint, so it is printed alone; any other error keeps its traceback.
-INPUT_ERRORS = (ConfigError, ShardError, ArtifactError, FileNotFoundError, FileExistsError)
+# Bad input (a config key, a path, a shard, an artifact, a folder in use, a missing codec module): the message names
+# the file, field or module and gives a hint, so it is printed alone; any other error keeps its traceback.
+INPUT_ERRORS = (ConfigError, ShardError, ByteAuditError, ArtifactError, CodecUnavailable, FileNotFoundError,
+                FileExistsError)
 
 if __name__ == "__main__":
     try:

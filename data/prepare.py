@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data.files import write_atomic
 from data.shards import BOS_ID, write_shard
 from data.tokenizer import build_byte_lut, count_target_bytes, file_sha256, iter_texts, load_sp
 
@@ -146,10 +147,7 @@ def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: st
                 writer = ShardWriter(staging, split, shard_tokens)
                 manifest["splits"][split] = _tokenize_split(pool, workers, texts, writer)
         manifest.update(extra_manifest or {})
-        with open(staging / "manifest.json", "w") as f:  # durable before it is renamed in, as the shards are
-            f.write(json.dumps(manifest, indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        write_atomic(staging / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
         _swap_in(staging, out, old)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

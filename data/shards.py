@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from data.files import write_atomic
+
 MAGIC = 20240520
 VERSION = 1
 HEADER_INTS = 256
@@ -39,17 +41,7 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> None:
         raise ShardError(f"{path}: {tokens.size} tokens do not fit the int32 count in the header")
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[0], header[1], header[2] = MAGIC, VERSION, tokens.size
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(header.tobytes())
-            f.write(tokens.astype(TOKEN_DTYPE, copy=False).tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    write_atomic(path, header.tobytes(), np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE))
 
 
 def read_header(path: str | os.PathLike) -> int:

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
+from data.files import write_atomic
+
 # The settings of the official parameter-golf tokenizers (read from their model protos).
 PUBLISHED_SETTINGS = dict(
     model_type="bpe", byte_fallback=True, split_digits=True, normalization_rule_name="nmt_nfkc",
@@ -95,22 +97,9 @@ def train_tokenizer(inputs: list[str], vocab_size: int, out_prefix: str, *, num_
         max_sentence_length=max_sentence_length, minloglevel=2, **PUBLISHED_SETTINGS)
     sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
     vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
-    _write_atomic(out_prefix + ".vocab", vocab.encode("utf-8"))
-    _write_atomic(out_prefix + ".model", proto.getvalue())
+    write_atomic(out_prefix + ".vocab", vocab.encode("utf-8"))
+    write_atomic(out_prefix + ".model", proto.getvalue())
     return out_prefix + ".model"
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # durable before the rename, as the shards are
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def load_sp(model_path_or_sp) -> spm.SentencePieceProcessor:

@@ -29,12 +29,12 @@ import json
 import lzma
 import os
 import struct
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
+from data.files import write_atomic
 from quant.pack import LAYOUTS, WIDTHS, QuantizedTensor, decode_codes, decode_scales, encode_codes, \
     encode_scales, encoded_codes_size
 
@@ -51,15 +51,25 @@ class ArtifactError(ValueError):
     """An artifact file is malformed, truncated, corrupted or of an unknown version."""
 
 
+class CodecUnavailable(RuntimeError):
+    """The module a codec needs is not installed."""
+
+
 # -- codecs -------------------------------------------------------------------------------------------
 
 def _brotli():
     try:
         import brotli
     except ImportError as exc:  # the GPU machines may lack it: say what to do instead
-        raise RuntimeError("the brotli module is not installed; hint: `pip install brotli`, "
+        raise CodecUnavailable("the brotli module is not installed; hint: `pip install brotli`, "
                            "or write the artifact with codec='lzma'") from exc
     return brotli
+
+
+def require_codec(codec: str) -> None:
+    """Fail now if `codec` cannot compress here: a run checks at setup what its export will need, instead of
+    losing the artifact of a whole training run to a missing module."""
+    compress(b"", codec)
 
 
 def compress(data: bytes, codec: str) -> bytes:
@@ -156,28 +166,11 @@ def build_artifact(meta: dict, quantized: dict, codec: str = "brotli", layout: s
     return body + hashlib.sha256(body).digest()
 
 
-def atomic_write(path: str | os.PathLike, data: bytes) -> None:
-    """Write to a temp file in the same folder, fsync, then rename: never a half-written artifact."""
-    path = os.fspath(path)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
-                               dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def save_artifact(path: str | os.PathLike, meta: dict, quantized: dict, codec: str = "brotli",
                   layout: str = "byte", cache: ChunkCache | None = None) -> int:
     """Write the artifact atomically; returns the bytes written (the file's size)."""
     data = build_artifact(meta, quantized, codec, layout, cache)
-    atomic_write(path, data)
+    write_atomic(path, data)
     return len(data)
 
 

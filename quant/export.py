@@ -29,7 +29,8 @@ import torch.nn as nn
 
 from quant.allocate import FALLBACK_BITS, HIGH_BITS, LOW_BITS, allocate_bits, allocate_lagrangian, allocation_log
 from quant.calibrate import collect_hessians, collect_output_fisher
-from quant.container import ChunkCache, atomic_write, build_artifact, check_meta, dequantize_state, parse_artifact
+from data.files import write_atomic
+from quant.container import ChunkCache, build_artifact, check_meta, dequantize_state, parse_artifact
 from quant.gptq import gptq_quantize, row_errors, rtn_quantize
 from quant.options import ALLOCATORS, ERROR_WEIGHTS, METHODS, MIN_BITS, OBSERVED_BITS, TABLE_BITS
 from quant.pack import QuantizedTensor
@@ -223,7 +224,7 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     quantized = compose(bits)
     data = build_artifact(meta, quantized, codec, layout, cache)
     _verify_round_trip(path, data, quantized, size)  # before the write: a bad artifact never replaces a good one
-    atomic_write(path, data)
+    write_atomic(path, data)
     written = len(data)
     timings["save_verify_s"] = time.perf_counter() - t
 

@@ -23,6 +23,7 @@ CODE_FILES = (
     "quant/pack.py",
     "quant/size.py",
     "data/__init__.py",
+    "data/files.py",
     "data/shards.py",
     "data/loader.py",
     "data/tokenizer.py",

@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from scripts.runlog import stream_run, write_atomic  # noqa: E402
+from data.files import write_atomic  # noqa: E402
+from scripts.runlog import stream_run  # noqa: E402
 from training.config import ConfigError, load_config  # noqa: E402
 from training.run_log import log_path  # noqa: E402
 

@@ -306,7 +306,7 @@ def mhc_main(argv: list[str]) -> list[dict]:
     make = {"eager": lambda: R.mhc_post_pre, "compiled": lambda: torch.compile(R.mhc_post_pre, dynamic=False),
             "triton": lambda: K.mhc_post_pre, "triton-graph": lambda: K.mhc_post_pre}
     impls = {name: make[name]() for name in args.impls}
-    print(f"\nmhc_post_pre, one sublayer pair: time, floor bytes / time, and floor time / time")
+    print("\nmhc_post_pre, one sublayer pair: time, floor bytes / time, and floor time / time")
     print(f"{'tokens':>7} {'implementation':<20} {'pass':<8} {'ms':>8} {'GB/s':>7} {'% floor':>8}")
     rows = []  # each printed as timed, like the sweep's
     for T in args.tokens:

@@ -33,7 +33,7 @@ from data.tokenizer import build_byte_lut, file_sha256  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from scripts.ablate import parse_variant, split_common  # noqa: E402
 from scripts.evaluate import evaluate_artifact  # noqa: E402
-from scripts.runlog import write_atomic  # noqa: E402
+from data.files import write_atomic  # noqa: E402
 from training.config import ConfigError, load_config, to_dict  # noqa: E402
 from training.distributed import init_distributed  # noqa: E402
 from training.evaluate import evaluate_bpb  # noqa: E402

@@ -28,7 +28,7 @@ from model.gpt import GPT  # noqa: E402
 from quant.container import load_artifact  # noqa: E402
 from quant.size import check_total, code_bytes  # noqa: E402
 from training.config import EVAL_RECORDED, EvalConfig  # noqa: E402
-from training.evaluate import audit_bytes, evaluate_bpb  # noqa: E402
+from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit  # noqa: E402
 
 
 def load_model(artifact: Path, device: torch.device) -> tuple[GPT, dict]:
@@ -103,10 +103,10 @@ def main(argv=None) -> None:
         p.error(f"{e} (hint: from --context/--stride/--max-tokens/--batch-seqs, else recorded in {a.artifact})")
     tokens = load_tokens(list_shards(pattern), eval_cfg.max_tokens)
     lut = build_byte_lut(a.tokenizer)
-    counted, decoded = audit_bytes(tokens, load_sp(a.tokenizer), lut)  # BPB's denominator, as train.py checks it
-    if counted != decoded:
-        sys.exit(f"byte accounting mismatch on {pattern}: counted {counted:,} bytes, the decoded text has "
-                 f"{decoded:,} (hint: are these shards tokenized with {a.tokenizer}?)")
+    try:  # BPB's denominator, as train.py checks it
+        require_byte_audit(tokens, load_sp(a.tokenizer), lut, pattern, a.tokenizer)
+    except ByteAuditError as e:
+        sys.exit(f"scripts.evaluate: {e}")
     result = score_model(Path(a.artifact), model, meta, tokens, lut, eval_cfg,
                          device=device, tokenizer_sha256=file_sha256(a.tokenizer))
     print(json.dumps(result, sort_keys=True))

@@ -32,9 +32,11 @@ if str(REPO) not in sys.path:  # `python scripts/export_record.py` as well as `p
     sys.path.insert(0, str(REPO))
 
 from quant.size import CAP_BYTES  # noqa: E402
+from data.files import current_umask, write_atomic  # noqa: E402
 from scripts.reproduce import SeedResult, baseline_losses, build_submission, significance  # noqa: E402
-from scripts.runlog import LogFormatError, RunLogData, current_umask, parse_log, write_atomic  # noqa: E402
+from scripts.runlog import LogFormatError, RunLogData, parse_log  # noqa: E402
 from scripts.train_gpt_template import BOOTSTRAP  # noqa: E402
+from training.checkpoint import replace_folder  # noqa: E402
 from training.config import ConfigError, load_config  # noqa: E402
 from training.run_log import git_commit  # noqa: E402
 
@@ -290,11 +292,7 @@ def write_record(out: Path, files: dict[str, bytes], force: bool) -> None:
                     shutil.copytree(kept, staging / kept.name, symlinks=True)
                 else:
                     shutil.copy2(kept, staging / kept.name)
-        aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.replaced-", dir=out.parent))
-        if out.exists():
-            os.replace(out, aside / out.name)
-        os.replace(staging, out)
-        shutil.rmtree(aside, ignore_errors=True)
+        replace_folder(staging, out, out.with_name(f".{out.name}.replaced"))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python scripts/plot.py` as well as `python -m scripts.plot`
     sys.path.insert(0, str(REPO))
 
-from scripts.runlog import LogFormatError, RunLogData, parse_log, write_atomic  # noqa: E402
+from data.files import write_atomic  # noqa: E402
+from scripts.runlog import LogFormatError, RunLogData, parse_log  # noqa: E402
 
 AXES = {"step": ("step", "step"), "time": ("train_time_s", "training time (s)"),
         "tokens": ("step", "training tokens (millions)")}  # tokens: step x train.batch_tokens

@@ -34,7 +34,8 @@ if str(REPO) not in sys.path:  # `python scripts/reproduce.py` as well as `pytho
     sys.path.insert(0, str(REPO))
 
 from quant.size import CAP_BYTES  # noqa: E402
-from scripts.runlog import LogFormatError, RunLogData, parse_lines, parse_log, stream_run, write_atomic  # noqa: E402
+from data.files import write_atomic  # noqa: E402
+from scripts.runlog import LogFormatError, RunLogData, parse_lines, parse_log, stream_run  # noqa: E402
 from scripts.stats import mean_std, welch_one_sided  # noqa: E402
 from training.config import Config, ConfigError, load_config, to_dict  # noqa: E402
 from training.run_log import log_path  # noqa: E402

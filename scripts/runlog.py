@@ -11,10 +11,8 @@ step on replace the ones the interrupted process had written, leaving one trajec
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,33 +126,6 @@ def parse_log(path: str | Path) -> RunLogData:
         raise FileNotFoundError(f"run log {path} does not exist (hint: train.py writes logs/<run_id>.txt)")
     with open(path, encoding="utf-8") as f:
         return parse_lines(f, str(path))
-
-
-def current_umask() -> int:
-    """The process umask (reading it means setting it, so it is set back at once)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
-
-
-def write_atomic(path: str | Path, data: bytes) -> None:
-    """Temp file in the same folder (created if missing, so a summary written after hours of runs is not lost
-    to a folder that was never made), fsync, then os.replace: a reader never sees a half-written file, even
-    after a power loss. The mode is what a plain open() would give (mkstemp's is 0600)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    umask = current_umask()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def stream_run(command: list[str], label: str, env: dict | None = None,

@@ -120,7 +120,6 @@ def test_gpu_cuda_graph_replays_the_passes_it_times():
     """Each pass captured by cuda_graph recomputes what it computes eagerly (replayed into the graph's own
     outputs), and bench_kernels times all three passes that way. The backward is captured as the
     benchmark does it: on the outputs of a captured forward (autograd runs it on the forward's stream)."""
-    from kernels import mhc as K
     from scripts.bench_kernels import cuda_graph, main, make_inputs
     inputs = make_inputs(3000, 4, 512)
     # Separate leaves for the eager reference: autograd syncs with the stream a leaf was first used on, and a

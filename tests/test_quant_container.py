@@ -181,9 +181,12 @@ def test_meta_and_tensor_validation(tiny):
 
 
 def test_atomic_write_leaves_no_temp_and_keeps_old_file_on_failure(tmp_path, tiny):
+    """Also: the artifact gets a plain file's mode (it was written 0600, mkstemp's, so unreadable to others)."""
+    from data.files import current_umask
     _, quantized = tiny
     path = tmp_path / "a.art"
     save_artifact(path, META, quantized)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~current_umask()
     before = path.read_bytes()
     with pytest.raises(ValueError):
         save_artifact(path, {**META, "bad": float("inf")}, quantized)

@@ -370,19 +370,3 @@ def test_an_unfinished_log_is_refused_unless_the_run_resumes(tiny_seed_runs, dem
     assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
                                     overrides=[*logs, "train.resume=latest"])) == 0
     assert ran == [(7, True), (8, True)]
-
-
-def test_write_atomic_makes_the_folder_and_leaves_no_temp_file(tmp_path):
-    """A summary written after hours of runs (ablate/bench_quant --out, submission.json) must not be lost to a
-    folder nobody created; the file gets a plain open()'s mode, and a failed write leaves nothing behind."""
-    import os
-    from scripts.runlog import write_atomic
-    target = tmp_path / "new" / "deeper" / "summary.json"
-    write_atomic(target, b"{}")
-    assert target.read_bytes() == b"{}" and os.listdir(target.parent) == ["summary.json"]
-    umask = os.umask(0)
-    os.umask(umask)
-    assert target.stat().st_mode & 0o777 == 0o666 & ~umask
-    with pytest.raises(TypeError):
-        write_atomic(target, "not bytes")
-    assert target.read_bytes() == b"{}" and os.listdir(target.parent) == ["summary.json"]

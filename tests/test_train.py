@@ -80,9 +80,15 @@ def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path,
         evaluate.main(args + ["--max-tokens", "-5"])
     assert "eval.max_tokens=-5 must be >= 0" in capsys.readouterr().err
     # it audits BPB's denominator as train.py does (here a count made to disagree with the decoded text)
-    monkeypatch.setattr(evaluate, "audit_bytes", lambda tokens, sp, lut: (1, 2))
-    with pytest.raises(SystemExit, match="byte accounting mismatch on .*counted 1 bytes, the decoded text has 2"):
+    import training.evaluate
+    monkeypatch.setattr(training.evaluate, "audit_bytes", lambda tokens, sp, lut: (1, 2))
+    with pytest.raises(SystemExit, match="^scripts.evaluate: byte accounting mismatch on .*fineweb_val_.*counted 1 "
+                                         "bytes, the decoded text has 2 .*hint: are these shards tokenized with"):
         evaluate.main(args)
+    # and train.py stops at setup, naming the validation shards
+    with pytest.raises(training.evaluate.ByteAuditError, match="mismatch on .*fineweb_val_"):
+        train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
+                    "train.run_id=tiny-audit"])
 
 
 def test_calibration_on_training_tokens_is_checked_against_its_reserve():
@@ -215,6 +221,19 @@ def test_bad_input_is_one_line_without_a_traceback(demo_dir, tmp_path):
     for override, message in cases:
         done = subprocess.run([*base, override], capture_output=True, text=True, timeout=300)
         assert done.returncode == 1 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_missing_brotli_module_stops_the_run_at_setup(demo_dir, tmp_path, monkeypatch):
+    """The export compresses with brotli after training: without the module the run used to train for its whole
+    budget and then lose the artifact to an ImportError. It now stops before anything runs, with one line."""
+    import runpy
+    monkeypatch.setitem(sys.modules, "brotli", None)  # `import brotli` raises ImportError
+    monkeypatch.setattr(sys, "argv", ["train.py", "--config", str(REPO / "configs/demo.toml"),
+                                      *tiny_overrides(demo_dir, tmp_path)])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(REPO / "train.py"), run_name="__main__")
+    assert str(stop.value).startswith("train.py: the brotli module is not installed; hint: `pip install brotli`")
+    assert not (tmp_path / "logs").exists()  # stopped before the run log was opened
 
 
 def test_an_error_mid_run_closes_the_loader_and_exits_cleanly(demo_dir, tmp_path):

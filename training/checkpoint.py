@@ -37,6 +37,18 @@ def complete_checkpoints(ckpt_dir: Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
+def replace_folder(new: Path, final: Path, aside: Path) -> None:
+    """Put the finished folder `new` at `final` by renames on one filesystem (checkpoints, record folders). A
+    rename cannot replace a non-empty folder, so one already at `final` moves to `aside` first and is removed
+    once `new` is in place; a run killed between the two renames leaves it at `aside` for the caller to
+    recover, and an `aside` such a run left is cleared first."""
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(new, final)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def checkpoint_step(path: Path) -> int:
     return int(STEP_DIR.match(path.name).group(1))
 
@@ -143,15 +155,10 @@ class Checkpointer:
 
     @staticmethod
     def _publish(tmp: Path, final: Path) -> None:
-        """Rename the finished folder into place. A folder of that step already there goes aside first (a
-        rename cannot replace a non-empty folder). train.py never gets here (it refuses to start beside later
+        """Rename the finished folder into place; a folder of that step already there goes aside to
+        step_*.replaced, which _recover finds. train.py never replaces one (it refuses to start beside later
         checkpoints and saves only after its start step); other users of Checkpointer may."""
-        aside = final.with_name(final.name + ".replaced")
-        if final.exists():
-            shutil.rmtree(aside, ignore_errors=True)
-            os.replace(final, aside)
-        os.replace(tmp, final)
-        shutil.rmtree(aside, ignore_errors=True)
+        replace_folder(tmp, final, final.with_name(final.name + ".replaced"))
 
     def _barrier(self) -> None:
         if self.world > 1:

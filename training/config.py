@@ -211,7 +211,7 @@ def validate(cfg: Config) -> None:
     if t.schedule == "time" and t.time_budget_s <= 0:
         raise ConfigError("train.schedule='time' needs train.time_budget_s > 0")
     q = cfg.quant
-    for field, value, allowed, what in (
+    for key, value, allowed, what in (
             ("method", q.method, METHODS, ""),
             ("min_bits", q.min_bits, MIN_BITS, " (5: int5/int6 only; 4: int4 fallback when all-int5 is over the cap)"),
             ("allocator", q.allocator, ALLOCATORS, ""),
@@ -220,7 +220,7 @@ def validate(cfg: Config) -> None:
             ("phi_bits", q.phi_bits, OBSERVED_BITS, " (the width of the mHC phi projections)"),
             ("calib_source", q.calib_source, CALIB_SOURCES, "")):
         if value not in allowed:
-            raise ConfigError(f"quant.{field}={value!r}: expected {one_of(allowed)}{what}")
+            raise ConfigError(f"quant.{key}={value!r}: expected {one_of(allowed)}{what}")
     if t.time_budget_s and cfg.quant.calib_reserve_s >= t.time_budget_s:
         raise ConfigError(f"quant.calib_reserve_s={cfg.quant.calib_reserve_s} must be < train.time_budget_s")
     if t.resume == "latest" and not t.run_id:

@@ -72,6 +72,20 @@ def audit_bytes(tokens: np.ndarray, sp, lut: ByteLUT, bos_id: int = 1) -> tuple[
     return counted, decoded
 
 
+class ByteAuditError(ValueError):
+    """Tokens whose counted bytes differ from the UTF-8 length of their decoded text."""
+
+
+def require_byte_audit(tokens: np.ndarray, sp, lut: ByteLUT, shards: str, tokenizer: str) -> int:
+    """BPB's denominator for `tokens` (read from `shards`), checked against the decoded text: raises
+    ByteAuditError where they differ, as with shards tokenized by another tokenizer."""
+    counted, decoded = audit_bytes(tokens, sp, lut)
+    if counted != decoded:
+        raise ByteAuditError(f"byte accounting mismatch on {shards}: counted {counted:,} bytes, the decoded text "
+                             f"has {decoded:,} (hint: are these shards tokenized with {tokenizer}?)")
+    return counted
+
+
 @torch.no_grad()
 def evaluate_bpb(
     model: torch.nn.Module,

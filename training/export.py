@@ -23,6 +23,7 @@ from training.config import EVAL_RECORDED, Config
 
 REPO = Path(__file__).resolve().parents[1]
 CALIB_SEED_OFFSET = 7919  # calibration reads the training shards in an order of its own
+ARTIFACT_CODEC = "brotli"  # Brotli-11 on every tensor chunk (quant.container); train.py checks it at setup
 
 
 @contextmanager
@@ -95,6 +96,7 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
                                          method=cfg.quant.method, log=log, min_bits=cfg.quant.min_bits,
                                          observed_patterns=observed_patterns(model),
                                          observed_bits=cfg.quant.phi_bits, allocator=cfg.quant.allocator,
+                                         codec=ARTIFACT_CODEC,
                                          error_weight=cfg.quant.error_weight, table_bits=cfg.quant.table_bits,
                                          autocast_dtype=torch.bfloat16 if device.type == "cuda" else None)
         except BudgetError as e:  # reported in the final JSON; the run then exits non-zero
