@@ -13,6 +13,7 @@ import argparse
 import copy
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -41,9 +42,10 @@ from training.trainer import grad_accum_steps, run_training, train_step
 REPO = Path(__file__).resolve().parent
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None, default_config: str | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="a TOML file in configs/")
+    p.add_argument("--config", required=default_config is None, default=default_config,
+                   help=f"a TOML file (default: {default_config})" if default_config else "a TOML file in configs/")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. model.n_layers=4")
     return p.parse_args(argv)
 
@@ -66,13 +68,17 @@ def warm_up_compile(step_model, model, loader, optimizers, cfg: Config, accum: i
     log(f"phase compile_warmup {time.perf_counter() - t0:.1f} s (not counted in the training budget)")
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def main(argv=None, default_config: str | None = None) -> dict:
+    args = parse_args(argv, default_config)
     cfg = load_config(args.config, args.overrides)
     require_codec(ARTIFACT_CODEC)  # on every rank, before anything runs: the export needs it after training
     dist = init_distributed(cfg.train.device)
     device = dist.device
     t_setup = time.perf_counter()
+    # The inputs are checked before a run log or a model exists: a run that cannot start leaves no log behind.
+    grad_accum_steps(cfg, dist.world_size)  # the batch divides over this world size
+    train_files = list_shards(cfg.data.train_files)
+    val = load_validation(cfg, train_files, dist.rank)  # before the loader's thread starts: bad paths fail fast
     run_id = cfg.train.run_id or f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}-s{cfg.train.seed}"
     if dist.world_size > 1:  # rank 0's timestamp names the run everywhere
         holder = [run_id]
@@ -84,14 +90,14 @@ def main(argv=None) -> dict:
     log(f"run {run_id}  commit {git_commit(REPO)}  world_size {dist.world_size}  device {device}")
     log("versions " + json.dumps(versions()))
     log("config " + json.dumps(to_dict(cfg), sort_keys=True))
+    if val.audited_bytes is not None:
+        log(f"byte audit: {val.audited_bytes:,} bytes counted = UTF-8 length of the decoded validation text")
 
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     model = GPT(cfg.model).to(device)
     optimizers = build_optimizers(model.param_groups(), cfg.optim)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model {n_params:,} parameters")
-    train_files = list_shards(cfg.data.train_files)
-    val = load_validation(cfg, train_files, dist.rank, log)  # before the loader's thread starts: bad paths fail fast
     loader = TokenLoader(train_files, cfg.data.seq_len, cfg.train.micro_batch_seqs,
                          rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed,
                          shards_per_batch=cfg.data.shards_per_batch, prefetch=cfg.data.prefetch, device=device)
@@ -107,27 +113,28 @@ class Validation(NamedTuple):
     tokens: np.ndarray
     lut: ByteLUT
     source_entropy: float | None  # bits per byte of the text's source, where its manifest states it (the demo)
+    audited_bytes: int | None     # BPB's denominator, audited against the decoded text (rank 0; None elsewhere)
 
 
-def load_validation(cfg: Config, train_files: list[str], rank: int, log) -> Validation:
+def load_validation(cfg: Config, train_files: list[str], rank: int) -> Validation:
     """The validation tokens (none of them in `train_files`) and the tokenizer's byte table, with the byte
     accounting audited on rank 0, and the source entropy of the demo corpus."""
     val_files = list_shards(cfg.data.val_files)
     shared = sorted({os.path.realpath(f) for f in train_files} & {os.path.realpath(f) for f in val_files})
     if shared:  # a score on text the model trained on is no validation score
-        raise SystemExit(f"{shared[0]} is both a training and a validation shard ({len(shared)} shared; hint: "
-                         "data.train_files and data.val_files must match different files, e.g. fineweb_train_*.bin "
-                         "and fineweb_val_*.bin)")
+        raise ConfigError(f"{shared[0]} is both a training and a validation shard ({len(shared)} shared; hint: "
+                          "data.train_files and data.val_files must match different files, e.g. fineweb_train_*.bin "
+                          "and fineweb_val_*.bin)")
     val_tokens = load_tokens(val_files, cfg.eval.max_tokens)
     lut = build_byte_lut(cfg.data.tokenizer)
     if len(lut.base_bytes) != cfg.model.vocab_size:
-        raise SystemExit(f"{cfg.data.tokenizer} has {len(lut.base_bytes)} ids but model.vocab_size="
-                         f"{cfg.model.vocab_size} (hint: set model.vocab_size={len(lut.base_bytes)})")
+        raise ConfigError(f"{cfg.data.tokenizer} has {len(lut.base_bytes)} ids but model.vocab_size="
+                          f"{cfg.model.vocab_size} (hint: set model.vocab_size={len(lut.base_bytes)})")
+    audited = None
     if rank == 0:  # BPB's denominator must be the decoded text's UTF-8 length, exactly
-        counted = require_byte_audit(val_tokens, load_sp(cfg.data.tokenizer), lut, cfg.data.val_files,
+        audited = require_byte_audit(val_tokens, load_sp(cfg.data.tokenizer), lut, cfg.data.val_files,
                                      cfg.data.tokenizer)
-        log(f"byte audit: {counted:,} bytes counted = UTF-8 length of the decoded validation text")
-    return Validation(val_tokens, lut, source_entropy(cfg))
+    return Validation(val_tokens, lut, source_entropy(cfg), audited)
 
 
 def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val: Validation, n_params: int,
@@ -138,6 +145,8 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
     resume_from = resolve_resume(cfg.train.resume, ckpt_dir)
     # before the compile warm-up (minutes on a GPU): periodic or not, a signal writes a checkpoint
     refuse_later_checkpoints(ckpt_dir, checkpoint_step(resume_from) if resume_from is not None else 0)
+    if cfg.train.resume == "latest" and resume_from is None:  # said, so that a misspelt run_id is noticed
+        log(f"train.resume=latest: no checkpoint in {ckpt_dir}, so the run starts at step 0")
     if cfg.train.compile:
         warm_up_compile(step_model, model, loader, optimizers, cfg, grad_accum_steps(cfg, dist.world_size), device, log)
     ema = maybe_ema(model, cfg.optim)
@@ -215,10 +224,10 @@ def source_entropy(cfg: Config) -> float | None:
     try:
         value = json.loads(manifest.read_text()).get("source_entropy_bits_per_byte")
     except (json.JSONDecodeError, AttributeError) as e:
-        raise SystemExit(f"{manifest}: not a data manifest ({e}); hint: it is read for the demo's source entropy, "
-                         "so regenerate it (python -m data.prepare or data.demo) or move it away") from None
+        raise ConfigError(f"{manifest}: not a data manifest ({e}); hint: it is read for the demo's source entropy, "
+                          "so regenerate it (python -m data.prepare or data.demo) or move it away") from None
     if value is not None and not isinstance(value, (int, float)):
-        raise SystemExit(f"{manifest}: source_entropy_bits_per_byte must be a number, got {value!r}")
+        raise ConfigError(f"{manifest}: source_entropy_bits_per_byte must be a number, got {value!r}")
     return value
 
 
@@ -227,8 +236,15 @@ def source_entropy(cfg: Config) -> float | None:
 INPUT_ERRORS = (ConfigError, ShardError, ByteAuditError, ArtifactError, CodecUnavailable, FileNotFoundError,
                 FileExistsError)
 
-if __name__ == "__main__":
+
+
+def cli(argv=None, default_config: str | None = None) -> None:
+    """The command line of train.py and of a record's train_gpt.py."""
     try:
-        main()
+        main(argv, default_config)
     except INPUT_ERRORS as e:
-        raise SystemExit(f"train.py: {e}") from None
+        raise SystemExit(f"{Path(sys.argv[0]).name}: {e}") from None
+
+
+if __name__ == "__main__":
+    cli()

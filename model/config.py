@@ -63,6 +63,13 @@ class ModelConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the field for options the model cannot build."""
+        for name, low in (("vocab_size", 2), ("n_layers", 1), ("d_model", 1), ("n_heads", 1), ("n_kv_heads", 1),
+                          ("sinkhorn_iters", 1), ("logit_softcap", 0), ("embed_init_std", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be >= {low}")
+        for name in ("mlp_mult", "rope_base"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be > 0")
         if self.n_streams < 1:
             raise ValueError(f"model.n_streams={self.n_streams} must be >= 1 (1 = plain residual network)")
         hd = self.head_dim

@@ -93,9 +93,7 @@ def main(argv):
     sys.meta_path.insert(0, EmbeddedModules())
     import quant.size
     quant.size.code_bytes = script_code_bytes  # before train's imports bind the name
-    if not any(a == "--config" or a.startswith("--config=") for a in argv):
-        argv = ["--config", str(HERE / "config.toml"), *argv]
     import train
-    return train.main(argv)
+    return train.cli(argv, default_config=str(HERE / "config.toml"))  # bad input: one line, as train.py prints
 
 '''

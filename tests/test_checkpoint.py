@@ -155,8 +155,10 @@ def test_a_step_written_again_replaces_its_folder_and_stays_and_stale_writes_go(
 
 def test_a_fresh_run_refuses_a_folder_with_checkpoints_of_its_run_id(corpus, tmp_path):
     """train.py with a run_id whose folder holds checkpoints: started afresh, it would share them (and
-    train.resume=latest would later continue the old trajectory), so it stops before training."""
-    run(args(corpus, tmp_path, "again", "train.max_steps=4", "train.checkpoint_every=2"))
+    train.resume=latest would later continue the old trajectory), so it stops before training. (The first run,
+    with train.resume=latest and nothing to resume, says it starts at step 0: a misspelt run_id shows.)"""
+    run(args(corpus, tmp_path, "again", "train.max_steps=4", "train.checkpoint_every=2", "train.resume=latest"))
+    assert "train.resume=latest: no checkpoint in " in (tmp_path / "logs/again.txt").read_text()
     done = subprocess.run(args(corpus, tmp_path, "again", "train.max_steps=4", "train.checkpoint_every=2"),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 1 and "checkpoint(s) past step 0" in done.stderr, done.stderr[-2000:]

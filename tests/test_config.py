@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from training.config import Config, ConfigError, load_config
+from training.config import AT_LEAST, FRACTIONS, Config, ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,6 +80,53 @@ def test_conflicts_name_where_the_values_came_from(tmp_path):
         load_config(two)
     with pytest.raises(ConfigError, match=re.escape("the defaults + the overrides: model.d_model=512")):
         load_config(None, ["model.n_heads=5"])
+
+
+def below(value):
+    """An override one step under the least allowed value, typed as the field is (2 -> '1', 0.0 -> '-0.5')."""
+    return str(value - 1) if isinstance(value, int) else str(value - 0.5)
+
+
+@pytest.mark.parametrize("key,low", AT_LEAST)
+def test_numbers_below_their_range_are_refused_when_the_config_loads(key, low):
+    """Each of them used to get through to the loader, the optimizer or the first step (a traceback, or as with
+    train.batch_tokens=0 a misleading 'parameter has no gradient')."""
+    section, name = key.split(".")
+    typed = type(getattr(getattr(Config(), section), name))(low)  # 0 for an int field, 0.0 for a float one
+    with pytest.raises(ConfigError, match=re.escape(f"{key}={below(typed)} must be >= {low}")):
+        load_config(None, [f"{key}={below(typed)}"])
+
+
+@pytest.mark.parametrize("key,one_allowed", FRACTIONS)
+def test_fractions_outside_their_range_are_refused(key, one_allowed):
+    for bad in ["-0.1", "1.5"] + ([] if one_allowed else ["1.0"]):
+        with pytest.raises(ConfigError, match=re.escape(f"{key}={float(bad)} must be in [0, 1")):
+            load_config(None, [f"{key}={bad}"])
+    load_config(None, [f"{key}={'1.0' if one_allowed else '0.5'}"])  # the edge (or a middle) is fine
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.vocab_size=1", "model.vocab_size=1 must be >= 2"),
+    ("model.n_layers=0", "model.n_layers=0 must be >= 1"),
+    ("model.d_model=0", "model.d_model=0 must be >= 1"),
+    ("model.n_heads=0", "model.n_heads=0 must be >= 1"),
+    ("model.n_kv_heads=0", "model.n_kv_heads=0 must be >= 1"),
+    ("model.sinkhorn_iters=0", "model.sinkhorn_iters=0 must be >= 1"),
+    ("model.mlp_mult=0", "model.mlp_mult=0.0 must be > 0"),
+    ("model.rope_base=-1", "model.rope_base=-1.0 must be > 0"),
+    ("model.logit_softcap=-1", "model.logit_softcap=-1.0 must be >= 0"),
+    ("model.embed_init_std=-0.1", "model.embed_init_std=-0.1 must be >= 0"),
+])
+def test_model_sizes_out_of_range_are_refused(override, message):
+    """model.n_layers=0 used to fail with an IndexError after training had started; n_heads=0 divided by zero."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
+
+
+def test_a_batch_that_does_not_divide_into_micro_batches_is_refused_when_the_config_loads():
+    with pytest.raises(ConfigError, match=re.escape("train.batch_tokens=5000 is not a multiple of "
+                                                    "train.micro_batch_seqs(8) x data.seq_len(256) = 2048")):
+        load_config(None, ["train.batch_tokens=5000"])
 
 
 def test_time_schedule_needs_a_budget():

@@ -246,6 +246,15 @@ def test_record_reproduces_the_repository_run_from_an_empty_folder(tiny_seed_run
     assert [e["val_bpb"] for e in again.evals] == pytest.approx([e["val_bpb"] for e in logged.evals], rel=1e-5)
     assert final["code_bytes"] == (record / "train_gpt.py").stat().st_size
     assert (record / "runs" / "again.mhcg").stat().st_size == final["artifact_bytes"]
+    # Its command line is train.py's: --config is optional (the record's config.toml), bad input is one line.
+    usage = subprocess.run([sys.executable, "train_gpt.py", "--help"], cwd=record, env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert usage.returncode == 0 and "[--config CONFIG]" in usage.stdout and "(default:" in usage.stdout
+    assert "config.toml" in usage.stdout
+    typo = subprocess.run([sys.executable, "train_gpt.py", "model.n_stream=1"], cwd=record, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert typo.returncode == 1 and "Traceback" not in typo.stderr, typo.stderr
+    assert typo.stderr.startswith("train_gpt.py: command line: unknown key 'model.n_stream'"), typo.stderr
 
 
 def test_runs_from_another_commit_are_flagged(tiny_seed_runs, tmp_path, capsys):

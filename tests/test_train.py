@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from conftest import FakeWandb
 from model.gpt import GPT
 from quant.container import load_artifact
-from training.config import load_config
+from training.config import ConfigError, load_config
 from training.optim import build_optimizers
 from training.trainer import grad_accum_steps, train_step
 
@@ -178,7 +178,7 @@ def test_a_broken_manifest_beside_the_tokenizer_stops_the_run_at_setup(demo_dir,
     for f in demo_dir.iterdir():
         shutil.copy(f, data / f.name)
     (data / "manifest.json").write_text("{truncated")
-    with pytest.raises(SystemExit, match=r"manifest.json: not a data manifest .*hint"):
+    with pytest.raises(ConfigError, match=r"manifest.json: not a data manifest .*hint"):
         train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(data, tmp_path)])
     assert "phase setup" not in capsys.readouterr().out
 
@@ -205,7 +205,7 @@ def test_periodic_evaluation_does_not_feed_back_into_training(demo_dir, tmp_path
 def test_validation_shards_that_are_also_training_shards_are_refused(demo_dir, tmp_path):
     import train
     overrides = [o for o in tiny_overrides(demo_dir, tmp_path) if not o.startswith("data.val_files=")]
-    with pytest.raises(SystemExit, match=r"fineweb_train_000000.bin is both a training and a validation shard"):
+    with pytest.raises(ConfigError, match=r"fineweb_train_000000.bin is both a training and a validation shard"):
         train.main(["--config", str(REPO / "configs/demo.toml"), *overrides,
                     f"data.val_files={demo_dir}/fineweb_*_000000.bin"])
 
@@ -217,10 +217,13 @@ def test_bad_input_is_one_line_without_a_traceback(demo_dir, tmp_path):
     base = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/demo.toml"),
             *tiny_overrides(demo_dir, tmp_path)]
     cases = [("model.n_layer=2", "train.py: command line: unknown key 'model.n_layer'"),
-             (f"data.tokenizer={tmp_path}/none.model", f"train.py: {tmp_path}/none.model: no such")]
+             (f"data.tokenizer={tmp_path}/none.model", f"train.py: {tmp_path}/none.model: no such"),
+             (f"data.val_files={tmp_path}/none_*.bin", f"train.py: no shard files match '{tmp_path}/none_*.bin'"),
+             ("train.micro_batch_seqs=0", "+ the overrides: train.micro_batch_seqs=0 must be >= 1")]
     for override, message in cases:
         done = subprocess.run([*base, override], capture_output=True, text=True, timeout=300)
         assert done.returncode == 1 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "logs").exists(), "a run that could not start left a log behind"
 
 
 def test_a_missing_brotli_module_stops_the_run_at_setup(demo_dir, tmp_path, monkeypatch):

@@ -18,9 +18,10 @@ from quant.options import ALLOCATORS, CALIB_SOURCES, ERROR_WEIGHTS, METHODS, MIN
 
 @dataclass
 class DataConfig:
-    train_files: str = "runs/demo/data/fineweb_train_*.bin"   # glob of training shards
-    val_files: str = "runs/demo/data/fineweb_val_*.bin"       # glob of validation shards
-    tokenizer: str = "runs/demo/data/tokenizer.model"         # SentencePiece model for byte accounting
+    # Where `python -m data.download` puts FineWeb sp1024: the data the default model (vocab_size 1024) is for.
+    train_files: str = "data/datasets/fineweb10B_sp1024/fineweb_train_*.bin"   # glob of training shards
+    val_files: str = "data/datasets/fineweb10B_sp1024/fineweb_val_*.bin"       # glob of validation shards
+    tokenizer: str = "data/tokenizers/fineweb_1024_bpe.model"                  # SentencePiece model (byte accounting)
     seq_len: int = 256                 # training sequence length (tokens)
     shards_per_batch: int = 4          # shards mixed into every batch
     prefetch: int = 4                  # batches queued ahead by the loader thread
@@ -47,7 +48,7 @@ class OptimConfig:
 
 
 # The eval settings an artifact's meta records (as eval_<key>): scripts.evaluate scores with them by default.
-EVAL_RECORDED = ("context", "stride", "max_tokens")
+EVAL_RECORDED = ("context", "stride", "max_tokens", "batch_seqs")
 
 
 @dataclass
@@ -195,6 +196,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return cfg
 
 
+# Numbers a run cannot use, refused when the config loads (naming the key) rather than deep inside the loader,
+# the optimizer or the first step: (key, the least allowed value).
+AT_LEAST = (
+    ("data.seq_len", 1), ("data.shards_per_batch", 1), ("data.prefetch", 0),
+    ("optim.matrix_lr", 0), ("optim.embed_lr", 0), ("optim.scalar_lr", 0), ("optim.weight_decay", 0),
+    ("optim.grad_clip", 0), ("optim.ns_steps", 1), ("optim.warmup_steps", 0), ("optim.muon_momentum_warmup_steps", 0),
+    ("optim.ema_warmup_steps", 0), ("quant.calib_seqs", 1), ("quant.calib_reserve_s", 0), ("quant.cap_bytes", 1),
+    ("quant.margin_bytes", 0), ("train.batch_tokens", 1), ("train.micro_batch_seqs", 1), ("train.max_steps", 1),
+    ("train.time_budget_s", 0), ("train.log_every", 1), ("train.checkpoint_every", 0))
+# Fractions: (key, whether 1 itself is allowed). A decay or momentum of 1 never forgets (and Adam's bias
+# correction divides by 1 - beta2^t).
+FRACTIONS = (
+    ("optim.muon_momentum", False), ("optim.muon_momentum_start", False), ("optim.adam_beta1", False),
+    ("optim.adam_beta2", False), ("optim.ema_decay", False), ("optim.warmdown_frac", True), ("optim.lr_floor", True))
+
+
+def _value(cfg: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
 def validate(cfg: Config) -> None:
     m, t = cfg.model, cfg.train
     try:
@@ -202,6 +224,17 @@ def validate(cfg: Config) -> None:
         cfg.eval.validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    for key, low in AT_LEAST:
+        if _value(cfg, key) < low:
+            raise ConfigError(f"{key}={_value(cfg, key)} must be >= {low}")
+    for key, one_allowed in FRACTIONS:
+        value = _value(cfg, key)
+        if not (0 <= value <= 1 if one_allowed else 0 <= value < 1):
+            raise ConfigError(f"{key}={value} must be in [0, 1{']' if one_allowed else ')'}")
+    if t.batch_tokens % (t.micro_batch_seqs * cfg.data.seq_len):  # and of the world size: train.py checks that
+        raise ConfigError(f"train.batch_tokens={t.batch_tokens} is not a multiple of train.micro_batch_seqs("
+                          f"{t.micro_batch_seqs}) x data.seq_len({cfg.data.seq_len}) = "
+                          f"{t.micro_batch_seqs * cfg.data.seq_len} (hint: change micro_batch_seqs so it divides)")
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
     if m.n_heads % m.n_kv_heads:

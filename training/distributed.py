@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from training.config import ConfigError
 from training.optim import Muon, clip_grad_norm_
 
 
@@ -40,7 +41,7 @@ def init_distributed(device: str = "auto") -> DistInfo:
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"train.device={device!r}: expected auto, cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device='cuda' but no CUDA device is visible (hint: train.device=cpu)")
+        raise ConfigError("train.device='cuda' but no CUDA device is visible (hint: train.device=cpu or auto)")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
     present = [k for k in keys if k in os.environ]

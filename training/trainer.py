@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from training.checkpoint import Checkpointer, Resumed
-from training.config import Config
+from training.config import Config, ConfigError
 from training.distributed import DistInfo, RankAgreement, optimizer_step
 from training.optim import set_lr_and_momentum
 from training.schedule import lr_multiplier
@@ -37,7 +37,7 @@ def grad_accum_steps(cfg: Config, world_size: int) -> int:
     """Micro-steps per optimizer step so that the global batch is exactly train.batch_tokens."""
     per_micro = world_size * cfg.train.micro_batch_seqs * cfg.data.seq_len
     if cfg.train.batch_tokens % per_micro:
-        raise ValueError(
+        raise ConfigError(
             f"train.batch_tokens={cfg.train.batch_tokens} is not a multiple of world_size({world_size}) x "
             f"train.micro_batch_seqs({cfg.train.micro_batch_seqs}) x data.seq_len({cfg.data.seq_len}) = {per_micro}"
             " (hint: change micro_batch_seqs so it divides)")
@@ -85,7 +85,7 @@ def run_training(
     flops_per_step = training_flops_per_token(model, cfg) * tokens_per_step
     peak = peak_flops(dist.device) * dist.world_size
     log(f"training: {accum} micro-steps of {t.micro_batch_seqs}x{cfg.data.seq_len} tokens on "
-        f"{dist.world_size} rank(s) = {tokens_per_step:,} tokens/step; budget {budget or 'none'} s, "
+        f"{dist.world_size} rank(s) = {tokens_per_step:,} tokens/step; budget {f'{budget} s' if budget else 'none'}, "
         f"max {t.max_steps} steps" + (f"; resuming at step {start.step}" if start.step else ""))
     cuda = torch.device(dist.device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
