@@ -24,7 +24,7 @@ import torch.distributed
 
 from data.loader import TokenLoader, load_tokens
 from data.shards import ShardError, list_shards
-from data.tokenizer import ByteLUT, build_byte_lut, file_sha256, load_sp
+from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256, load_sp
 from model.gpt import GPT
 from quant.container import ArtifactError, CodecUnavailable, require_codec
 from scripts.evaluate import evaluate_artifact
@@ -233,8 +233,8 @@ def source_entropy(cfg: Config) -> float | None:
 
 # Bad input (a config key, a path, a shard, an artifact, a folder in use, a missing codec module): the message names
 # the file, field or module and gives a hint, so it is printed alone; any other error keeps its traceback.
-INPUT_ERRORS = (ConfigError, ShardError, ByteAuditError, ArtifactError, CodecUnavailable, FileNotFoundError,
-                FileExistsError)
+INPUT_ERRORS = (ConfigError, ShardError, TokenizerError, ByteAuditError, ArtifactError, CodecUnavailable,
+                FileNotFoundError, FileExistsError)
 
 
 

@@ -33,6 +33,10 @@ PUBLISHED_SETTINGS = dict(
 TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.xz")
 
 
+class TokenizerError(ValueError):
+    """A tokenizer file that SentencePiece cannot load, or a training that cannot give what was asked."""
+
+
 def _open_text(path: Path) -> io.TextIOBase:
     name = path.name
     if name.endswith(".xz"):
@@ -90,12 +94,28 @@ def train_tokenizer(inputs: list[str], vocab_size: int, out_prefix: str, *, num_
                          "plus 4 control ids, and at least one merged piece")
     out_prefix = str(out_prefix)
     Path(out_prefix).parent.mkdir(parents=True, exist_ok=True)
-    proto = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter_texts(inputs), model_writer=proto,
-        vocab_size=vocab_size, num_threads=num_threads or os.cpu_count() or 1,
-        max_sentence_length=max_sentence_length, minloglevel=2, **PUBLISHED_SETTINGS)
+    proto, failed = io.BytesIO(), []
+
+    def texts() -> Iterator[str]:  # SentencePiece turns an error raised here into its own, naming no line
+        try:
+            yield from iter_texts(inputs)
+        except (ValueError, OSError) as e:
+            failed.append(e)
+            raise
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=texts(), model_writer=proto,
+            vocab_size=vocab_size, num_threads=num_threads or os.cpu_count() or 1,
+            max_sentence_length=max_sentence_length, minloglevel=2, **PUBLISHED_SETTINGS)
+    except RuntimeError:
+        if failed:
+            raise failed[0] from None
+        raise
     sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    if sp.get_piece_size() != vocab_size:  # too little text: SentencePiece stops early without saying so
+        raise TokenizerError(f"the inputs give {sp.get_piece_size()} pieces, not the vocab_size={vocab_size} asked "
+                             f"for; nothing was written (hint: train on more text, or ask for at most "
+                             f"{sp.get_piece_size()})")
     vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
     write_atomic(out_prefix + ".vocab", vocab.encode("utf-8"))
     write_atomic(out_prefix + ".model", proto.getvalue())
@@ -109,7 +129,11 @@ def load_sp(model_path_or_sp) -> spm.SentencePieceProcessor:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such tokenizer model (hint: data.tokenizer in the config, or "
                                 "`python -m data.download` / `python -m data.demo`)")
-    return spm.SentencePieceProcessor(model_file=str(path))
+    try:
+        return spm.SentencePieceProcessor(model_file=str(path))
+    except (RuntimeError, OSError) as e:  # SentencePiece's "could not parse ModelProto" names no file
+        raise TokenizerError(f"{path}: not a SentencePiece model ({str(e).strip()}; hint: pass the .model file, "
+                             "not the .vocab)") from None
 
 
 @dataclass
@@ -162,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     try:
         model = train_tokenizer(args.input, args.vocab_size, args.out)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # TokenizerError and a bad input line included
         sys.exit(f"data.tokenizer: {exc}")
     except RuntimeError as exc:  # SentencePiece's own checks, e.g. more distinct characters than vocab
         sys.exit(f"data.tokenizer: SentencePiece training failed: {str(exc).splitlines()[-1]}")

@@ -180,6 +180,8 @@ def load_artifact(path: str | os.PathLike, stored: bool = False) -> tuple[dict, 
     """(meta, tensors): float tensors dequantized to fp32, ready for model.load_state_dict; or with
     stored=True the values as stored (QuantizedTensor codes + scales, numpy arrays), for tools that
     study the payload itself (scripts/bench_compress.py --artifact)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such artifact (hint: train.py writes <train.out_dir>/<run_id>.mhcg)")
     with open(path, "rb") as f:
         data = f.read()
     return parse_artifact(data, os.fspath(path), stored)

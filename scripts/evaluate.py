@@ -21,11 +21,11 @@ if str(REPO) not in sys.path:  # `python scripts/evaluate.py` as well as `python
     sys.path.insert(0, str(REPO))
 
 from data.loader import load_tokens  # noqa: E402
-from data.shards import list_shards  # noqa: E402
-from data.tokenizer import ByteLUT, build_byte_lut, file_sha256, load_sp  # noqa: E402
+from data.shards import ShardError, list_shards  # noqa: E402
+from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256, load_sp  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.gpt import GPT  # noqa: E402
-from quant.container import load_artifact  # noqa: E402
+from quant.container import ArtifactError, CodecUnavailable, load_artifact  # noqa: E402
 from quant.size import check_total, code_bytes  # noqa: E402
 from training.config import EVAL_RECORDED, EvalConfig  # noqa: E402
 from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit  # noqa: E402
@@ -39,14 +39,14 @@ def load_model(artifact: Path, device: torch.device) -> tuple[GPT, dict]:
     model = GPT(ModelConfig(**{**meta["model_config"], "attention": "auto"}))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{artifact}: tensors do not match the model config: missing {missing[:5]}, "
+        raise ArtifactError(f"{artifact}: tensors do not match the model config: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]} (hint: artifact written by another code version?)")
     return model.to(device), meta
 
 
 def recorded_eval(meta: dict, **given: int | None) -> EvalConfig:
-    """How the run scored itself (the meta's eval_context, eval_stride, eval_max_tokens), under any value
-    `given` that is not None. Artifacts written before these were recorded get EvalConfig's defaults."""
+    """How the run scored itself (the meta's eval_context, eval_stride, eval_max_tokens, eval_batch_seqs), under
+    any value `given` that is not None. Artifacts written before these were recorded get EvalConfig's defaults."""
     default = EvalConfig()
     recorded = {key: meta.get(f"eval_{key}", getattr(default, key)) for key in EVAL_RECORDED}
     settings = {**recorded, **{key: value for key, value in given.items() if value is not None}}
@@ -67,7 +67,7 @@ def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT
                 tokenizer_sha256: str | None = None) -> dict:
     """BPB of the model loaded from `artifact`, and the shipped size (artifact + counted code)."""
     if tokenizer_sha256 and meta.get("tokenizer_sha256") not in (None, tokenizer_sha256):
-        raise ValueError(f"{artifact}: trained with tokenizer sha256 {meta['tokenizer_sha256'][:12]}…, "
+        raise ArtifactError(f"{artifact}: trained with tokenizer sha256 {meta['tokenizer_sha256'][:12]}…, "
                          f"evaluating with {tokenizer_sha256[:12]}… (hint: pass the run's tokenizer)")
     result = evaluate_bpb(model, val_tokens, lut, context=eval_cfg.context, stride=eval_cfg.stride,
                           batch_seqs=eval_cfg.batch_seqs, device=device,
@@ -80,20 +80,40 @@ def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT
     return result
 
 
+# Bad input (a path, an artifact, shards, a tokenizer, a missing codec module): the message names the file and
+# gives a hint, so it is printed alone.
+INPUT_ERRORS = (ArtifactError, ShardError, TokenizerError, ByteAuditError, CodecUnavailable, FileNotFoundError)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifact", required=True)
+    p.add_argument("--artifact", required=True, help="the .mhcg file a run wrote (train.py: runs/<run_id>.mhcg)")
     p.add_argument("--val", required=True, help="glob of validation shards, or a directory holding fineweb_val_*.bin")
     p.add_argument("--tokenizer", required=True, help="SentencePiece model the artifact was trained with")
     p.add_argument("--context", type=int, help="window length in tokens (default: the run's eval.context)")
     p.add_argument("--stride", type=int, help="0 = non-overlapping windows (default: the run's eval.stride)")
-    p.add_argument("--batch-seqs", type=int, help=f"windows per forward pass (default {EvalConfig().batch_seqs})")
+    p.add_argument("--batch-seqs", type=int, help="windows per forward pass (default: the run's eval.batch_seqs)")
     p.add_argument("--max-tokens", type=int,
                    help="score only the first N validation tokens, 0 = all (default: the run's eval.max_tokens)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default: cuda where a GPU is visible)")
     a = p.parse_args(argv)
+    try:
+        device = torch.device(a.device)
+    except RuntimeError:
+        p.error(f"--device {a.device!r} is not a torch device (hint: cpu, cuda or cuda:0)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {a.device}: no CUDA device is visible (hint: --device cpu)")
+    try:
+        score(a, p, device)
+    except INPUT_ERRORS as e:
+        sys.exit(f"scripts.evaluate: {e}")
+
+
+def score(a: argparse.Namespace, p: argparse.ArgumentParser, device: torch.device) -> None:
+    """The command line's scoring; the cheap inputs (shards, tokenizer) are checked before the model is built."""
     pattern = str(Path(a.val) / "fineweb_val_*.bin") if Path(a.val).is_dir() else a.val
-    device = torch.device(a.device)
+    shards, sp = list_shards(pattern), load_sp(a.tokenizer)
     model, meta = load_model(Path(a.artifact), device)
     eval_cfg = recorded_eval(meta, context=a.context, stride=a.stride, max_tokens=a.max_tokens,
                              batch_seqs=a.batch_seqs)
@@ -101,12 +121,9 @@ def main(argv=None) -> None:
         eval_cfg.validate()
     except ValueError as e:
         p.error(f"{e} (hint: from --context/--stride/--max-tokens/--batch-seqs, else recorded in {a.artifact})")
-    tokens = load_tokens(list_shards(pattern), eval_cfg.max_tokens)
-    lut = build_byte_lut(a.tokenizer)
-    try:  # BPB's denominator, as train.py checks it
-        require_byte_audit(tokens, load_sp(a.tokenizer), lut, pattern, a.tokenizer)
-    except ByteAuditError as e:
-        sys.exit(f"scripts.evaluate: {e}")
+    tokens = load_tokens(shards, eval_cfg.max_tokens)
+    lut = build_byte_lut(sp)
+    require_byte_audit(tokens, sp, lut, pattern, a.tokenizer)  # BPB's denominator, as train.py checks it
     result = score_model(Path(a.artifact), model, meta, tokens, lut, eval_cfg,
                          device=device, tokenizer_sha256=file_sha256(a.tokenizer))
     print(json.dumps(result, sort_keys=True))

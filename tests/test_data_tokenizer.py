@@ -2,6 +2,7 @@
 import gzip
 import json
 import lzma
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,29 @@ def test_tokenizer_cli(tmp_path):
     crowded = subprocess.run([sys.executable, "-m", "data.tokenizer", "--input", *paths, "--vocab-size", "270",
                               "--out", str(tmp_path / "crowded")], cwd=ROOT, capture_output=True, text=True)
     assert crowded.returncode != 0 and "SentencePiece training failed" in crowded.stderr
+
+
+def test_training_names_a_bad_input_line_and_refuses_a_vocabulary_it_cannot_fill(tmp_path):
+    """A bad JSONL line used to reach the user as SentencePiece's 'training failed' naming no file; too little
+    text gave fewer pieces than asked for, written and reported as the size asked for."""
+    from data.tokenizer import TokenizerError
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(json.dumps({"text": t}) for t in corpus_lines(50)) + '\n{"body": "no text"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:51: expected a JSON object with a \"text\""):
+        train_tokenizer([str(bad)], 300, str(tmp_path / "a"), num_threads=1)
+    one = tmp_path / "one.txt"
+    one.write_text("a single short line of text\n")
+    with pytest.raises(TokenizerError, match=r"the inputs give \d+ pieces, not the vocab_size=1024 asked for"):
+        train_tokenizer([str(one)], 1024, str(tmp_path / "b"), num_threads=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "one.txt"]  # nothing written
+
+
+def test_loading_a_file_that_is_not_a_model_names_it(tmp_path, trained):
+    from data.tokenizer import TokenizerError, load_sp
+    vocab = Path(trained).with_suffix(".vocab")
+    with pytest.raises(TokenizerError, match=rf"{re.escape(str(vocab))}: not a SentencePiece model .*hint: pass the "
+                                             r"\.model file"):
+        load_sp(vocab)
 
 
 def test_official_tokenizer_checksum():

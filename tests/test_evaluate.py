@@ -1,5 +1,6 @@
 """BPB evaluation: window plans score every target once; the BPB formula; sliding vs non-overlapping."""
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -7,9 +8,9 @@ import torch
 import torch.nn as nn
 
 from data.tokenizer import ByteLUT
-from pathlib import Path
-
 from training.evaluate import audit_bytes, evaluate_bpb, plan_windows, target_bytes
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("n,context,stride", [(1000, 128, 32), (1000, 128, 0), (50, 128, 64), (129, 128, 128),
@@ -136,10 +137,41 @@ def test_scoring_defaults_to_what_the_run_recorded():
     given always wins (0 included); artifacts written before the record get EvalConfig's defaults."""
     from scripts.evaluate import recorded_eval
     from training.config import EvalConfig
-    meta = {"seq_len": 128, "eval_context": 96, "eval_stride": 32, "eval_max_tokens": 5000}
+    meta = {"seq_len": 128, "eval_context": 96, "eval_stride": 32, "eval_max_tokens": 5000, "eval_batch_seqs": 7}
     got = recorded_eval(meta)
-    assert (got.context, got.stride, got.max_tokens) == (96, 32, 5000)
+    assert (got.context, got.stride, got.max_tokens, got.batch_seqs) == (96, 32, 5000, 7)
     got = recorded_eval(meta, context=64, stride=0, max_tokens=0, batch_seqs=4)
     assert (got.context, got.stride, got.max_tokens, got.batch_seqs) == (64, 0, 0, 4)
     older, default = recorded_eval({"seq_len": 32}), EvalConfig()
-    assert (older.context, older.stride, older.max_tokens) == (default.context, default.stride, default.max_tokens)
+    assert (older.context, older.stride, older.max_tokens, older.batch_seqs) == \
+        (default.context, default.stride, default.max_tokens, default.batch_seqs)
+
+
+def test_the_command_line_names_bad_input_in_one_line(demo_dir, tmp_path, capsys):
+    """Each of these used to end in a traceback (a bare FileNotFoundError, sentencepiece's 'could not parse
+    ModelProto', an assertion inside torch): now one line that names the file or flag, with a hint."""
+    from scripts import evaluate
+    val, tok = str(demo_dir), str(demo_dir / "tokenizer.model")
+    not_a_model = tmp_path / "tokenizer.vocab"
+    not_a_model.write_text("<pad>\t0\n")
+    cases = [
+        (["--artifact", "README.md", "--val", str(tmp_path / "none_*.bin"), "--tokenizer", tok],
+         f"scripts.evaluate: no shard files match '{tmp_path}/none_*.bin'"),
+        (["--artifact", "README.md", "--val", val, "--tokenizer", str(not_a_model)],
+         f"scripts.evaluate: {not_a_model}: not a SentencePiece model"),
+        (["--artifact", str(tmp_path / "gone.mhcg"), "--val", val, "--tokenizer", tok],
+         f"scripts.evaluate: {tmp_path}/gone.mhcg: no such artifact (hint: train.py writes"),
+        (["--artifact", str(REPO / "README.md"), "--val", val, "--tokenizer", tok],
+         "README.md: not an mhcgolf artifact"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as stop:
+            evaluate.main([*argv, "--device", "cpu"])
+        assert message in str(stop.value), (argv, stop.value)
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(["--artifact", "a", "--val", val, "--tokenizer", tok, "--device", "gpu"])
+    assert stop.value.code == 2 and "--device 'gpu' is not a torch device (hint: cpu" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            evaluate.main(["--artifact", "a", "--val", val, "--tokenizer", tok, "--device", "cuda"])
+        assert "--device cuda: no CUDA device is visible (hint: --device cpu)" in capsys.readouterr().err

@@ -219,7 +219,8 @@ def test_bad_input_is_one_line_without_a_traceback(demo_dir, tmp_path):
     cases = [("model.n_layer=2", "train.py: command line: unknown key 'model.n_layer'"),
              (f"data.tokenizer={tmp_path}/none.model", f"train.py: {tmp_path}/none.model: no such"),
              (f"data.val_files={tmp_path}/none_*.bin", f"train.py: no shard files match '{tmp_path}/none_*.bin'"),
-             ("train.micro_batch_seqs=0", "+ the overrides: train.micro_batch_seqs=0 must be >= 1")]
+             ("train.micro_batch_seqs=0", "+ the overrides: train.micro_batch_seqs=0 must be >= 1"),
+             (f"data.tokenizer={REPO / 'README.md'}", "README.md: not a SentencePiece model")]
     for override, message in cases:
         done = subprocess.run([*base, override], capture_output=True, text=True, timeout=300)
         assert done.returncode == 1 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
