@@ -1,4 +1,4 @@
-"""Run named variants of one config side by side, one per GPU, same seed, and compare them.
+r"""Run named variants of one config side by side, one per GPU, same seed, and compare them.
 
     python -m scripts.ablate --config configs/h100_short.toml --gpus 0,1 --out logs/ablate.json \
         --variant plain="model.n_streams=1 model.mhc_blocks=0" --variant n2-all="model.mhc_blocks=0" \

@@ -1,4 +1,4 @@
-"""Package finished runs as a record folder of the challenge, with a generated single-file train_gpt.py.
+r"""Package finished runs as a record folder of the challenge, with a generated single-file train_gpt.py.
 
     python -m scripts.export_record --runs logs/a-s1337.txt logs/a-s42.txt logs/a-s2025.txt \
         --out records/2026-11-22_mhc11L --name "mHC 11L" --github-id me [--baseline LOG ...] [--force]

@@ -1,4 +1,4 @@
-"""Run one config over several seeds, summarize, test against a baseline, write submission.json.
+r"""Run one config over several seeds, summarize, test against a baseline, write submission.json.
 
     python -m scripts.reproduce --config configs/record_8xh100.toml --seeds 1337,42,2025 \
         --nproc-per-node 8 --baseline logs/base-s1.txt logs/base-s2.txt logs/base-s3.txt \
@@ -288,7 +288,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="print the commands and exit (reads neither the config nor the logs, so it also lists "
                         "the seeds --reuse would read back)")
-    a = p.parse_args(argv)
+    a, unknown = p.parse_known_args(argv)
+    if unknown:
+        hint = f" (hint: config overrides go after --, e.g. -- {unknown[0]})" if "=" in unknown[0] else ""
+        p.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     a.overrides = overrides
     a.name = a.name or Path(a.config).stem
     for o in overrides:
@@ -297,6 +300,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if a.baseline and (len(a.baseline) < 2 or len(a.seeds) < 2):
         p.error(f"--baseline with {len(a.baseline)} log(s) and {len(a.seeds)} seed(s): Welch's t-test needs at "
                 "least 2 runs on each side")
+    missing = [log for log in a.baseline if not Path(log).is_file()]
+    if missing:  # a shell glob that matched nothing arrives as the pattern itself
+        p.error(f"--baseline {missing[0]}: no such log file (hint: train.py writes <train.log_dir>/<run_id>.txt)")
     return a
 
 

@@ -184,11 +184,23 @@ def test_dry_run_prints_one_command_per_seed(capsys):
     (["--seeds", "1,1"], "each seed once"),
     (["--seeds", "1,2", "--", "train.seed=5"], "set per seed by this script"),
     (["--seeds", "1", "--baseline", "a.txt", "b.txt"], "at least 2 runs on each side"),
+    (["--seeds", "1,2", "model.n_streams=2"], "hint: config overrides go after --, e.g. -- model.n_streams=2"),
+    (["--seeds", "1,2", "--baseline", "logs/nope*.txt", "logs/x.txt"], "--baseline logs/nope*.txt: no such log file"),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         reproduce.main(["--config", "configs/demo.toml", *argv])
     assert message in capsys.readouterr().err
+
+
+def test_usage_examples_keep_their_line_continuations():
+    """The --help of these scripts prints its docstring: a plain (not raw) one joined each example's lines at the
+    trailing backslash into one line full of spaces."""
+    import scripts.ablate
+    import scripts.bench_quant
+    import scripts.export_record
+    for module in (reproduce, scripts.ablate, scripts.bench_quant, scripts.export_record):
+        assert " \\\n" in module.__doc__, module.__name__
 
 
 def test_config_typo_fails_before_any_run(tmp_path):
