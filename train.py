@@ -31,7 +31,7 @@ from scripts.evaluate import evaluate_artifact
 from training.checkpoint import (Checkpointer, Resumed, checkpoint_step, load_checkpoint, refuse_later_checkpoints,
                                  resolve_resume)
 from training.config import Config, ConfigError, load_config, to_dict
-from training.distributed import destroy, init_distributed
+from training.distributed import destroy, fail_together, init_distributed
 from training.ema import maybe_ema
 from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit
 from training.export import ARTIFACT_CODEC, export_model
@@ -76,9 +76,14 @@ def main(argv=None, default_config: str | None = None) -> dict:
     device = dist.device
     t_setup = time.perf_counter()
     # The inputs are checked before a run log or a model exists: a run that cannot start leaves no log behind.
-    grad_accum_steps(cfg, dist.world_size)  # the batch divides over this world size
-    train_files = list_shards(cfg.data.train_files)
-    val = load_validation(cfg, train_files, dist.rank)  # before the loader's thread starts: bad paths fail fast
+    failure = None
+    try:
+        grad_accum_steps(cfg, dist.world_size)  # the batch divides over this world size
+        train_files = list_shards(cfg.data.train_files)
+        val = load_validation(cfg, train_files, dist.rank)  # before the loader's thread starts: bad paths fail fast
+    except Exception as e:
+        failure = e
+    fail_together(failure, device)  # every rank stops, not only the one that failed
     run_id = cfg.train.run_id or f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}-s{cfg.train.seed}"
     if dist.world_size > 1:  # rank 0's timestamp names the run everywhere
         holder = [run_id]

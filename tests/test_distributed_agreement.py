@@ -150,3 +150,82 @@ def test_ranks_agree_on_the_clock_and_on_stop_requests(tmp_path, free_port):
     saved = complete_checkpoints(tmp_path / "ckpt")
     assert [c.name for c in saved] == ["step_00000004"]
     assert sorted(p.name for p in saved[0].glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
+
+
+def setup_worker(rank: int, world: int, port: int, data: str, out_dir: str) -> None:
+    """train.main on one of two ranks, with the validation byte audit made to fail (rank 0 alone runs it)."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import train
+    import training.evaluate
+    training.evaluate.audit_bytes = lambda tokens, sp, lut: (1, 2)
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        train.main(["--config", str(repo / "configs/demo.toml"), "train.device=cpu", "train.micro_batch_seqs=16",
+                    f"data.train_files={data}/fineweb_train_*.bin", f"data.val_files={data}/fineweb_val_*.bin",
+                    f"data.tokenizer={data}/tokenizer.model", f"train.log_dir={out_dir}/logs",
+                    f"train.out_dir={out_dir}/runs", "train.run_id=setup"])
+        outcome = "trained"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    finally:
+        destroy()
+    Path(out_dir, f"setup{rank}.txt").write_text(outcome)
+
+
+def test_a_rank_that_fails_at_setup_stops_every_rank(demo_dir, tmp_path, free_port):
+    """Rank 0's byte audit fails. Rank 1 used to go on to its first collective and fail there once rank 0's process
+    had gone (gloo: "Connection closed by peer ... typically caused by a remote worker crashing"), with a run log
+    opened. Both now stop at setup, each with a message, and no run log is left."""
+    ranks = mp.spawn(setup_worker, args=(2, free_port, str(demo_dir), str(tmp_path)), nprocs=2, join=False)
+    deadline = time.time() + 120
+    while not ranks.join(timeout=1):
+        if time.time() > deadline:
+            for proc in ranks.processes:
+                proc.kill()
+            pytest.fail("rank 1 did not stop when rank 0 failed its setup checks")
+    assert (tmp_path / "setup0.txt").read_text().startswith("ByteAuditError: byte accounting mismatch on ")
+    assert (tmp_path / "setup1.txt").read_text() == \
+        "ConfigError: stopped: another rank failed before training (its message says why)"
+    assert not (tmp_path / "logs").exists()
+
+
+def export_worker(rank: int, world: int, port: int, data: str, out_dir: str) -> None:
+    """training.export.export_model on two ranks, with rank 0's export failing unexpectedly (a full disk, say)."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from training import export
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    export.export_artifact = disk_full
+    info = init_distributed("cpu")
+    cfg, model, _ = tiny(["model.vocab_size=512", "quant.calib_seqs=2"])
+    try:
+        report = export.export_model(cfg, model, train_files=sorted(map(str, Path(data).glob("fineweb_train_*.bin"))),
+                                     rank=rank, world_size=world, log=RunLog(None, enabled=False),
+                                     artifact_path=Path(out_dir) / "a.mhcg", tokenizer_sha256="x",
+                                     device=torch.device("cpu"))
+        outcome = f"report: {report['export_error']}"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    finally:
+        destroy()
+    Path(out_dir, f"export{rank}.txt").write_text(outcome)
+
+
+def test_an_unexpected_export_failure_on_rank_0_reaches_every_rank(demo_dir, tmp_path, free_port):
+    """Rank 0 alone exports while the others wait for its report: an error there other than BudgetError used to
+    leave them in that broadcast, which failed once rank 0's process had gone (gloo: "Connection closed by peer").
+    They now get the error as the export_error, and rank 0 raises it."""
+    ranks = mp.spawn(export_worker, args=(2, free_port, str(demo_dir), str(tmp_path)), nprocs=2, join=False)
+    deadline = time.time() + 120
+    while not ranks.join(timeout=1):
+        if time.time() > deadline:
+            for proc in ranks.processes:
+                proc.kill()
+            pytest.fail("rank 1 kept waiting for the artifact after rank 0's export failed")
+    assert (tmp_path / "export0.txt").read_text() == "OSError: [Errno 28] No space left on device"
+    assert (tmp_path / "export1.txt").read_text() == "report: OSError: [Errno 28] No space left on device"

@@ -101,6 +101,20 @@ def all_reduce_mean(tensor: Tensor) -> Tensor:
     return tensor
 
 
+def fail_together(error: BaseException | None, device: torch.device) -> None:
+    """Raise `error` where it happened and a ConfigError on every other rank. A rank that stops alone (at setup, say:
+    rank 0 alone audits the validation bytes) leaves the others to run on into their next collective, which then
+    fails with a transport error that does not say why, or waits until its timeout. One MAX all-reduce of a
+    flag, once, on the device of the run's collectives."""
+    if world_size() > 1:
+        failed = torch.tensor([int(error is not None)], device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item() and error is None:
+            raise ConfigError("stopped: another rank failed before training (its message says why)")
+    if error is not None:
+        raise error
+
+
 class RankAgreement:
     """The training clock and the stop request, made identical on every rank once per step.
 

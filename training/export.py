@@ -78,8 +78,10 @@ def calibration_within_reserve(cfg: Config, seconds: float, log) -> bool | None:
 
 def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world_size: int, log,
                  artifact_path: Path, tokenizer_sha256: str, device: torch.device) -> dict:
-    """Rank 0 calibrates, quantizes and writes the artifact; the other ranks wait for it."""
+    """Rank 0 calibrates, quantizes and writes the artifact; the other ranks wait for it. An unexpected error on
+    rank 0 is raised there once the others know (as an export_error), so that they stop instead of waiting."""
     report: dict = {}
+    failure: Exception | None = None
     if rank == 0:
         artifact_path.parent.mkdir(parents=True, exist_ok=True)
         code = code_bytes(REPO)
@@ -102,11 +104,14 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
         except BudgetError as e:  # reported in the final JSON; the run then exits non-zero
             log(f"export failed: {e}")
             report = {"export_error": str(e), "code_bytes": code}
-        seconds = time.perf_counter() - t0
-        log(f"phase quantize+export {seconds:.1f} s (calibration data {t_calib_data:.1f} s; "
-            f"reserve {cfg.quant.calib_reserve_s} s)")
-        calib_total = t_calib_data + report.get("calib_s", 0.0)
-        within = calibration_within_reserve(cfg, calib_total, log)
+        except Exception as e:  # raised below, after the other ranks have learned of it
+            failure, report = e, {"export_error": f"{type(e).__name__}: {e}", "code_bytes": code}
+        else:
+            seconds = time.perf_counter() - t0
+            log(f"phase quantize+export {seconds:.1f} s (calibration data {t_calib_data:.1f} s; "
+                f"reserve {cfg.quant.calib_reserve_s} s)")
+            calib_total = t_calib_data + report.get("calib_s", 0.0)
+            within = calibration_within_reserve(cfg, calib_total, log)
     if rank == 0 and "export_error" not in report:
         report = {"artifact_bytes": artifact_path.stat().st_size, "code_bytes": code,
                   "export_seconds": round(seconds, 2), "quant_method": cfg.quant.method,
@@ -117,4 +122,6 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
         holder = [report]
         torch.distributed.broadcast_object_list(holder, src=0)
         report = holder[0]
+    if failure is not None:
+        raise failure
     return report
