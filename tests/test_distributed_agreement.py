@@ -75,6 +75,22 @@ class LateSignal(RankAgreement):
         return agreed
 
 
+def join_env(rank: int, world: int, port: int) -> None:
+    """The environment torchrun gives a worker."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def join_or_fail(ranks, seconds: float, message: str) -> None:
+    """Wait for spawned ranks; where one waits in a collective the other left, fail the test instead of hanging."""
+    deadline = time.time() + seconds
+    while not ranks.join(timeout=1):
+        if time.time() > deadline:
+            for proc in ranks.processes:
+                proc.kill()
+            pytest.fail(message)
+
+
 def tiny(extra: list[str]):
     cfg = load_config(None, ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
                              "model.vocab_size=64", "data.seq_len=16", "train.batch_tokens=64",
@@ -86,8 +102,7 @@ def tiny(extra: list[str]):
 
 def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    join_env(rank, world, port)
     info = init_distributed("cpu")
     log = RunLog(os.path.join(out_dir, f"log{rank}.txt"), enabled=False)
     out = {}
@@ -128,12 +143,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 def test_ranks_agree_on_the_clock_and_on_stop_requests(tmp_path, free_port):
     ranks = mp.spawn(worker, args=(2, free_port, str(tmp_path)), nprocs=2, join=False)
-    deadline = time.time() + 150
-    while not ranks.join(timeout=1):
-        if time.time() > deadline:  # one rank left a collective the other waits in: fail, don't hang
-            for proc in ranks.processes:
-                proc.kill()
-            pytest.fail("the ranks hung: they disagreed on when to stop (a rank waits in a collective alone)")
+    join_or_fail(ranks, 150, "the ranks hung: they disagreed on when to stop (a rank waits in a collective alone)")
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     budget0, budget1 = r0["budget"], r1["budget"]
     assert budget0["stopped_by"] == budget1["stopped_by"] == "time_budget"
@@ -155,8 +165,7 @@ def test_ranks_agree_on_the_clock_and_on_stop_requests(tmp_path, free_port):
 def setup_worker(rank: int, world: int, port: int, data: str, out_dir: str) -> None:
     """train.main on one of two ranks, with the validation byte audit made to fail (rank 0 alone runs it)."""
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    join_env(rank, world, port)
     import train
     import training.evaluate
     training.evaluate.audit_bytes = lambda tokens, sp, lut: (1, 2)
@@ -179,12 +188,7 @@ def test_a_rank_that_fails_at_setup_stops_every_rank(demo_dir, tmp_path, free_po
     had gone (gloo: "Connection closed by peer ... typically caused by a remote worker crashing"), with a run log
     opened. Both now stop at setup, each with a message, and no run log is left."""
     ranks = mp.spawn(setup_worker, args=(2, free_port, str(demo_dir), str(tmp_path)), nprocs=2, join=False)
-    deadline = time.time() + 120
-    while not ranks.join(timeout=1):
-        if time.time() > deadline:
-            for proc in ranks.processes:
-                proc.kill()
-            pytest.fail("rank 1 did not stop when rank 0 failed its setup checks")
+    join_or_fail(ranks, 120, "rank 1 did not stop when rank 0 failed its setup checks")
     assert (tmp_path / "setup0.txt").read_text().startswith("ByteAuditError: byte accounting mismatch on ")
     assert (tmp_path / "setup1.txt").read_text() == \
         "ConfigError: stopped: another rank failed before training (its message says why)"
@@ -194,14 +198,13 @@ def test_a_rank_that_fails_at_setup_stops_every_rank(demo_dir, tmp_path, free_po
 def export_worker(rank: int, world: int, port: int, data: str, out_dir: str) -> None:
     """training.export.export_model on two ranks, with rank 0's export failing unexpectedly (a full disk, say)."""
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    join_env(rank, world, port)
     from training import export
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
     export.export_artifact = disk_full
-    info = init_distributed("cpu")
+    init_distributed("cpu")
     cfg, model, _ = tiny(["model.vocab_size=512", "quant.calib_seqs=2"])
     try:
         report = export.export_model(cfg, model, train_files=sorted(map(str, Path(data).glob("fineweb_train_*.bin"))),
@@ -221,11 +224,6 @@ def test_an_unexpected_export_failure_on_rank_0_reaches_every_rank(demo_dir, tmp
     leave them in that broadcast, which failed once rank 0's process had gone (gloo: "Connection closed by peer").
     They now get the error as the export_error, and rank 0 raises it."""
     ranks = mp.spawn(export_worker, args=(2, free_port, str(demo_dir), str(tmp_path)), nprocs=2, join=False)
-    deadline = time.time() + 120
-    while not ranks.join(timeout=1):
-        if time.time() > deadline:
-            for proc in ranks.processes:
-                proc.kill()
-            pytest.fail("rank 1 kept waiting for the artifact after rank 0's export failed")
+    join_or_fail(ranks, 120, "rank 1 kept waiting for the artifact after rank 0's export failed")
     assert (tmp_path / "export0.txt").read_text() == "OSError: [Errno 28] No space left on device"
     assert (tmp_path / "export1.txt").read_text() == "report: OSError: [Errno 28] No space left on device"
