@@ -91,6 +91,17 @@ def join_or_fail(ranks, seconds: float, message: str) -> None:
             pytest.fail(message)
 
 
+def write_outcome(path: Path, run) -> None:
+    """What `run` returned, or the exception it raised as 'Type: message', into `path`; the group is left either way."""
+    try:
+        outcome = run()
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    finally:
+        destroy()
+    path.write_text(outcome)
+
+
 def tiny(extra: list[str]):
     cfg = load_config(None, ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
                              "model.vocab_size=64", "data.seq_len=16", "train.batch_tokens=64",
@@ -170,17 +181,11 @@ def setup_worker(rank: int, world: int, port: int, data: str, out_dir: str) -> N
     import training.evaluate
     training.evaluate.audit_bytes = lambda tokens, sp, lut: (1, 2)
     repo = Path(__file__).resolve().parents[1]
-    try:
-        train.main(["--config", str(repo / "configs/demo.toml"), "train.device=cpu", "train.micro_batch_seqs=16",
-                    f"data.train_files={data}/fineweb_train_*.bin", f"data.val_files={data}/fineweb_val_*.bin",
-                    f"data.tokenizer={data}/tokenizer.model", f"train.log_dir={out_dir}/logs",
-                    f"train.out_dir={out_dir}/runs", "train.run_id=setup"])
-        outcome = "trained"
-    except Exception as e:
-        outcome = f"{type(e).__name__}: {e}"
-    finally:
-        destroy()
-    Path(out_dir, f"setup{rank}.txt").write_text(outcome)
+    argv = ["--config", str(repo / "configs/demo.toml"), "train.device=cpu", "train.micro_batch_seqs=16",
+            f"data.train_files={data}/fineweb_train_*.bin", f"data.val_files={data}/fineweb_val_*.bin",
+            f"data.tokenizer={data}/tokenizer.model", f"train.log_dir={out_dir}/logs", f"train.out_dir={out_dir}/runs",
+            "train.run_id=setup"]
+    write_outcome(Path(out_dir, f"setup{rank}.txt"), lambda: train.main(argv) and "trained")
 
 
 def test_a_rank_that_fails_at_setup_stops_every_rank(demo_dir, tmp_path, free_port):
@@ -206,17 +211,14 @@ def export_worker(rank: int, world: int, port: int, data: str, out_dir: str) -> 
     export.export_artifact = disk_full
     init_distributed("cpu")
     cfg, model, _ = tiny(["model.vocab_size=512", "quant.calib_seqs=2"])
-    try:
-        report = export.export_model(cfg, model, train_files=sorted(map(str, Path(data).glob("fineweb_train_*.bin"))),
-                                     rank=rank, world_size=world, log=RunLog(None, enabled=False),
-                                     artifact_path=Path(out_dir) / "a.mhcg", tokenizer_sha256="x",
-                                     device=torch.device("cpu"))
-        outcome = f"report: {report['export_error']}"
-    except Exception as e:
-        outcome = f"{type(e).__name__}: {e}"
-    finally:
-        destroy()
-    Path(out_dir, f"export{rank}.txt").write_text(outcome)
+    train_files = sorted(map(str, Path(data).glob("fineweb_train_*.bin")))
+
+    def run() -> str:
+        report = export.export_model(cfg, model, train_files=train_files, rank=rank, world_size=world,
+                                     log=RunLog(None, enabled=False), artifact_path=Path(out_dir) / "a.mhcg",
+                                     tokenizer_sha256="x", device=torch.device("cpu"))
+        return f"report: {report['export_error']}"
+    write_outcome(Path(out_dir, f"export{rank}.txt"), run)
 
 
 def test_an_unexpected_export_failure_on_rank_0_reaches_every_rank(demo_dir, tmp_path, free_port):
