@@ -31,7 +31,7 @@ from scripts.evaluate import evaluate_artifact
 from training.checkpoint import (Checkpointer, Resumed, checkpoint_step, load_checkpoint, refuse_later_checkpoints,
                                  resolve_resume)
 from training.config import Config, ConfigError, load_config, to_dict
-from training.distributed import destroy, fail_together, init_distributed
+from training.distributed import RankFailed, destroy, fail_together, init_distributed
 from training.ema import maybe_ema
 from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit
 from training.export import ARTIFACT_CODEC, export_model
@@ -83,7 +83,7 @@ def main(argv=None, default_config: str | None = None) -> dict:
         val = load_validation(cfg, train_files, dist.rank)  # before the loader's thread starts: bad paths fail fast
     except Exception as e:
         failure = e
-    fail_together(failure, device)  # every rank stops, not only the one that failed
+    fail_together(failure, "its setup checks")  # every rank stops, not only the one that failed
     run_id = cfg.train.run_id or f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}-s{cfg.train.seed}"
     if dist.world_size > 1:  # rank 0's timestamp names the run everywhere
         holder = [run_id]
@@ -236,10 +236,10 @@ def source_entropy(cfg: Config) -> float | None:
     return value
 
 
-# Bad input (a config key, a path, a shard, an artifact, a folder in use, a missing codec module): the message names
-# the file, field or module and gives a hint, so it is printed alone; any other error keeps its traceback.
+# Bad input (a config key, a path, a shard, an artifact, a folder in use, a missing codec module), or another rank's:
+# the message names the file, field or module and gives a hint, so it is printed alone; any other error keeps its traceback.
 INPUT_ERRORS = (ConfigError, ShardError, TokenizerError, ByteAuditError, ArtifactError, CodecUnavailable,
-                FileNotFoundError, FileExistsError)
+                FileNotFoundError, FileExistsError, RankFailed)
 
 
 

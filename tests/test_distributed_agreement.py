@@ -196,7 +196,7 @@ def test_a_rank_that_fails_at_setup_stops_every_rank(demo_dir, tmp_path, free_po
     join_or_fail(ranks, 120, "rank 1 did not stop when rank 0 failed its setup checks")
     assert (tmp_path / "setup0.txt").read_text().startswith("ByteAuditError: byte accounting mismatch on ")
     assert (tmp_path / "setup1.txt").read_text() == \
-        "ConfigError: stopped: another rank failed before training (its message says why)"
+        "RankFailed: stopped: another rank failed its setup checks (its own message says why)"
     assert not (tmp_path / "logs").exists()
 
 
@@ -229,3 +229,30 @@ def test_an_unexpected_export_failure_on_rank_0_reaches_every_rank(demo_dir, tmp
     join_or_fail(ranks, 120, "rank 1 kept waiting for the artifact after rank 0's export failed")
     assert (tmp_path / "export0.txt").read_text() == "OSError: [Errno 28] No space left on device"
     assert (tmp_path / "export1.txt").read_text() == "report: OSError: [Errno 28] No space left on device"
+
+
+def checkpoint_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Checkpointer.save on two ranks, where rank 1's disk is full."""
+    torch.set_num_threads(1)
+    join_env(rank, world, port)
+    init_distributed("cpu")
+    if rank == 1:
+        def disk_full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+        torch.save = disk_full
+    model = torch.nn.Linear(2, 2)
+    loader = type("Loader", (), {"state_dict": lambda self: {"position": 0}})()
+    ckpt = Checkpointer(Path(out_dir) / "ckpt", every_steps=1, keep=2, rank=rank, world_size=world)
+    write_outcome(Path(out_dir, f"ckpt{rank}.txt"), lambda: str(ckpt.save(3, 1.0, model, [], None, loader)))
+
+
+def test_a_checkpoint_part_that_fails_on_one_rank_stops_every_rank(tmp_path, free_port):
+    """The ranks used to meet in a barrier after writing their parts: one rank failing alone left the others there.
+    Now every rank stops at once, with the failing rank's own error and RankFailed elsewhere, and the half-written
+    folder is gone."""
+    ranks = mp.spawn(checkpoint_worker, args=(2, free_port, str(tmp_path)), nprocs=2, join=False)
+    join_or_fail(ranks, 120, "rank 0 did not stop when rank 1 failed to write its checkpoint part")
+    assert (tmp_path / "ckpt1.txt").read_text() == "OSError: [Errno 28] No space left on device"
+    assert (tmp_path / "ckpt0.txt").read_text() == ("RankFailed: stopped: another rank failed to write its part of "
+                                                    "checkpoint step_00000003 (its own message says why)")
+    assert list((tmp_path / "ckpt").iterdir()) == []

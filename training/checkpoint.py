@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from training.distributed import fail_together
+
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -138,12 +140,16 @@ class Checkpointer:
                 state["ema"] = ema.state_dict()
         part = tmp / f"rank{self.rank}.pt"
         try:
-            torch.save(state, str(part) + ".part")
-            os.replace(str(part) + ".part", part)
-        except BaseException:  # disk full, say: no half-written folder of possibly gigabytes stays behind
+            failure = None
+            try:
+                torch.save(state, str(part) + ".part")
+                os.replace(str(part) + ".part", part)
+            except Exception as e:  # disk full, say, maybe under one rank only: every rank stops
+                failure = e
+            fail_together(failure, f"to write its part of checkpoint {final.name}")  # and waits for the others
+        except BaseException:  # no half-written folder of possibly gigabytes stays behind
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self._barrier()
         if self.rank == 0:
             self._publish(tmp, final)
             # the checkpoint just written always stays, with the newest keep - 1 others

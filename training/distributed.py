@@ -101,16 +101,21 @@ def all_reduce_mean(tensor: Tensor) -> Tensor:
     return tensor
 
 
-def fail_together(error: BaseException | None, device: torch.device) -> None:
-    """Raise `error` where it happened and a ConfigError on every other rank. A rank that stops alone (at setup, say:
-    rank 0 alone audits the validation bytes) leaves the others to run on into their next collective, which then
-    fails with a transport error that does not say why, or waits until its timeout. One MAX all-reduce of a
-    flag, once, on the device of the run's collectives."""
+class RankFailed(RuntimeError):
+    """Raised by fail_together on the ranks that did not fail (the one that did raises its own error)."""
+
+
+def fail_together(error: BaseException | None, what: str) -> None:
+    """Raise `error` where it happened and RankFailed on every other rank. A rank that stops alone (rank 0 alone
+    audits the validation bytes; a disk fills up under one rank's checkpoint part) leaves the others to run on
+    into their next collective, which then fails with a transport error that does not say why, or waits until
+    its timeout. Every rank must call it: one MAX all-reduce of a flag, on the device NCCL needs."""
     if world_size() > 1:
-        failed = torch.tensor([int(error is not None)], device=device)
+        on_gpu = dist.get_backend() == "nccl"
+        failed = torch.tensor([int(error is not None)], device=torch.cuda.current_device() if on_gpu else "cpu")
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item() and error is None:
-            raise ConfigError("stopped: another rank failed before training (its message says why)")
+            raise RankFailed(f"stopped: another rank failed {what} (its own message says why)")
     if error is not None:
         raise error
 
