@@ -31,12 +31,12 @@ from scripts.evaluate import evaluate_artifact
 from training.checkpoint import (Checkpointer, Resumed, checkpoint_step, load_checkpoint, refuse_later_checkpoints,
                                  resolve_resume)
 from training.config import Config, ConfigError, load_config, to_dict
-from training.distributed import RankFailed, destroy, fail_together, init_distributed
+from training.distributed import RankFailed, destroy, fail_together, init_distributed, require_same_on_every_rank
 from training.ema import maybe_ema
 from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit
 from training.export import ARTIFACT_CODEC, export_model
 from training.optim import build_optimizers
-from training.run_log import RunLog, git_commit, log_path, maybe_wandb, versions
+from training.run_log import RunLog, check_log_dir, git_commit, log_path, maybe_wandb, require_wandb, versions
 from training.trainer import grad_accum_steps, run_training, train_step
 
 REPO = Path(__file__).resolve().parent
@@ -81,9 +81,16 @@ def main(argv=None, default_config: str | None = None) -> dict:
         grad_accum_steps(cfg, dist.world_size)  # the batch divides over this world size
         train_files = list_shards(cfg.data.train_files)
         val = load_validation(cfg, train_files, dist.rank)  # before the loader's thread starts: bad paths fail fast
+        if dist.rank == 0:  # what rank 0 alone opens
+            if cfg.train.wandb:
+                require_wandb()
+            check_log_dir(cfg.train.log_dir)
     except Exception as e:
         failure = e
     fail_together(failure, "its setup checks")  # every rank stops, not only the one that failed
+    # A node with only some of the shards would train (or score) on other data than the rest, silently.
+    require_same_on_every_rank((train_files, len(val.tokens)), "training shards or validation tokens",
+                               "every node needs the same data.train_files and data.val_files")
     run_id = cfg.train.run_id or f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}-s{cfg.train.seed}"
     if dist.world_size > 1:  # rank 0's timestamp names the run everywhere
         holder = [run_id]
@@ -242,13 +249,14 @@ INPUT_ERRORS = (ConfigError, ShardError, TokenizerError, ByteAuditError, Artifac
                 FileNotFoundError, FileExistsError, RankFailed)
 
 
-
 def cli(argv=None, default_config: str | None = None) -> None:
     """The command line of train.py and of a record's train_gpt.py."""
     try:
         main(argv, default_config)
     except INPUT_ERRORS as e:
         raise SystemExit(f"{Path(sys.argv[0]).name}: {e}") from None
+    finally:
+        destroy()  # the process group, however the run ended (a no-op once main has left it)
 
 
 if __name__ == "__main__":

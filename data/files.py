@@ -15,12 +15,16 @@ def current_umask() -> int:
     return umask
 
 
+# Read once: reading it sets it to 0 for a moment, and another thread (wandb's, say) creating a file then would
+# make it world-writable.
+FILE_MODE = 0o666 & ~current_umask()
+
+
 def write_atomic(path: str | os.PathLike, *chunks) -> None:
-    """Write the bytes-like `chunks` to `path`, making its folder. The mode is a plain open()'s (mkstemp's 0600
-    would make an artifact private). A failure keeps the old file and leaves no temp file."""
+    """Write the bytes-like `chunks` to `path`, making its folder. The mode is a plain open()'s at import time
+    (mkstemp's 0600 would make an artifact private). A failure keeps the old file and leaves no temp file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    mode = 0o666 & ~current_umask()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -28,7 +32,7 @@ def write_atomic(path: str | os.PathLike, *chunks) -> None:
                 f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, mode)
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

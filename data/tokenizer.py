@@ -53,23 +53,31 @@ def iter_texts(paths: list[str | os.PathLike]) -> Iterator[str]:
             raise ValueError(f"{path}: unsupported file kind; expected one of {', '.join(TEXT_SUFFIXES)}")
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such text file")
-        is_jsonl = not path.name.endswith(".txt")
-        with _open_text(path) as f:
-            for line_no, line in enumerate(f, 1):
-                line = line.rstrip("\n")
-                if not line.strip():
-                    continue
-                if not is_jsonl:
-                    yield line
-                    continue
-                try:
-                    text = json.loads(line)["text"]
-                except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise ValueError(f"{path}:{line_no}: expected a JSON object with a \"text\" string field "
-                                     f"({type(exc).__name__}: {exc})") from None
-                if not isinstance(text, str):
-                    raise ValueError(f"{path}:{line_no}: \"text\" must be a string, got {type(text).__name__}")
-                yield text
+        try:
+            yield from _documents(path)
+        except (EOFError, lzma.LZMAError, gzip.BadGzipFile, UnicodeDecodeError) as exc:  # truncated, corrupt, binary
+            raise ValueError(f"{path}: cannot be read as {path.name.split('.', 1)[-1]} text "
+                             f"({type(exc).__name__}: {exc})") from None
+
+
+def _documents(path: Path) -> Iterator[str]:
+    is_jsonl = not path.name.endswith(".txt")
+    with _open_text(path) as f:
+        for line_no, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if not is_jsonl:
+                yield line
+                continue
+            try:
+                text = json.loads(line)["text"]
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{line_no}: expected a JSON object with a \"text\" string field "
+                                 f"({type(exc).__name__}: {exc})") from None
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{line_no}: \"text\" must be a string, got {type(text).__name__}")
+            yield text
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -92,14 +100,13 @@ def train_tokenizer(inputs: list[str], vocab_size: int, out_prefix: str, *, num_
     if vocab_size < 256 + 4 + 1:
         raise ValueError(f"vocab_size {vocab_size} is too small: byte fallback alone needs 256 byte pieces "
                          "plus 4 control ids, and at least one merged piece")
-    out_prefix = str(out_prefix)
-    Path(out_prefix).parent.mkdir(parents=True, exist_ok=True)
+    out_prefix = str(out_prefix)  # write_atomic makes its folder once there is something to write
     proto, failed = io.BytesIO(), []
 
     def texts() -> Iterator[str]:  # SentencePiece turns an error raised here into its own, naming no line
         try:
             yield from iter_texts(inputs)
-        except (ValueError, OSError) as e:
+        except Exception as e:
             failed.append(e)
             raise
     try:

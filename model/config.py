@@ -65,11 +65,14 @@ class ModelConfig:
         """Raise ValueError naming the field for options the model cannot build."""
         for name, low in (("vocab_size", 2), ("n_layers", 1), ("d_model", 1), ("n_heads", 1), ("n_kv_heads", 1),
                           ("sinkhorn_iters", 1), ("logit_softcap", 0), ("embed_init_std", 0)):
-            if getattr(self, name) < low:
+            if not getattr(self, name) >= low:  # NaN included
                 raise ValueError(f"model.{name}={getattr(self, name)} must be >= {low}")
         for name in ("mlp_mult", "rope_base"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be > 0")
+        if self.mlp_hidden < 1:
+            raise ValueError(f"model.mlp_mult={self.mlp_mult} gives an MLP of {self.mlp_hidden} channels at "
+                             f"d_model={self.d_model} (hint: mlp_mult * d_model must round to >= 1)")
         if self.n_streams < 1:
             raise ValueError(f"model.n_streams={self.n_streams} must be >= 1 (1 = plain residual network)")
         hd = self.head_dim

@@ -61,8 +61,8 @@ def _brotli():
     try:
         import brotli
     except ImportError as exc:  # the GPU machines may lack it: say what to do instead
-        raise CodecUnavailable("the brotli module is not installed; hint: `pip install brotli`, "
-                           "or write the artifact with codec='lzma'") from exc
+        raise CodecUnavailable("the brotli module is not installed; hint: `pip install brotli` (it writes and "
+                               "reads the artifacts)") from exc
     return brotli
 
 
@@ -202,6 +202,8 @@ def parse_artifact(data: bytes, path: str, stored: bool = False) -> tuple[dict, 
             tensors[entry["name"]] = _decode_entry(entry, raw, stored)
         except (ValueError, lzma.LZMAError) as exc:
             raise ArtifactError(f"{path}: tensor {entry['name']!r} is invalid: {exc}") from exc
+        except CodecUnavailable:  # this machine's lack, not the file's
+            raise
         except Exception as exc:  # brotli.error has no stable import path across versions
             raise ArtifactError(f"{path}: tensor {entry['name']!r} does not decompress with {codec}: {exc}") from exc
     return header["meta"], tensors

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from data.files import write_atomic
 from quant.allocate import FALLBACK_BITS, HIGH_BITS, LOW_BITS, allocate_bits, allocate_lagrangian, allocation_log
 from quant.calibrate import collect_hessians, collect_output_fisher
-from data.files import write_atomic
 from quant.container import ChunkCache, build_artifact, check_meta, dequantize_state, parse_artifact
 from quant.gptq import gptq_quantize, row_errors, rtn_quantize
 from quant.options import ALLOCATORS, ERROR_WEIGHTS, METHODS, MIN_BITS, OBSERVED_BITS, TABLE_BITS

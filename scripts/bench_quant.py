@@ -27,13 +27,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from data.files import write_atomic  # noqa: E402
 from data.loader import load_tokens  # noqa: E402
 from data.shards import list_shards  # noqa: E402
 from data.tokenizer import build_byte_lut, file_sha256  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from scripts.ablate import parse_variant, split_common  # noqa: E402
 from scripts.evaluate import evaluate_artifact  # noqa: E402
-from data.files import write_atomic  # noqa: E402
 from training.config import ConfigError, load_config, to_dict  # noqa: E402
 from training.distributed import init_distributed  # noqa: E402
 from training.evaluate import evaluate_bpb  # noqa: E402

@@ -101,9 +101,11 @@ def main(argv=None) -> None:
     try:
         device = torch.device(a.device)
     except RuntimeError:
-        p.error(f"--device {a.device!r} is not a torch device (hint: cpu, cuda or cuda:0)")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error(f"--device {a.device}: no CUDA device is visible (hint: --device cpu)")
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        p.error(f"--device {a.device!r}: expected cpu, cuda or cuda:N")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        p.error(f"--device {a.device}: {torch.cuda.device_count()} CUDA device(s) visible (hint: --device cpu)")
     try:
         score(a, p, device)
     except INPUT_ERRORS as e:

@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python scripts/export_record.py` as well as `python -m scripts.export_record`
     sys.path.insert(0, str(REPO))
 
-from quant.size import CAP_BYTES  # noqa: E402
 from data.files import current_umask, write_atomic  # noqa: E402
+from quant.size import CAP_BYTES  # noqa: E402
 from scripts.reproduce import SeedResult, baseline_losses, build_submission, significance  # noqa: E402
 from scripts.runlog import LogFormatError, RunLogData, parse_log  # noqa: E402
 from scripts.train_gpt_template import BOOTSTRAP  # noqa: E402

@@ -302,7 +302,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                 "least 2 runs on each side")
     missing = [log for log in a.baseline if not Path(log).is_file()]
     if missing:  # a shell glob that matched nothing arrives as the pattern itself
-        p.error(f"--baseline {missing[0]}: no such log file (hint: train.py writes <train.log_dir>/<run_id>.txt)")
+        hint = (f"config overrides go after --, e.g. -- {missing[0]}" if "=" in missing[0]
+                else "train.py writes <train.log_dir>/<run_id>.txt")
+        p.error(f"--baseline {missing[0]}: no such log file (hint: {hint})")
     return a
 
 

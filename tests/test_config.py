@@ -123,6 +123,16 @@ def test_model_sizes_out_of_range_are_refused(override, message):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("override,message", [
+    ("optim.matrix_lr=nan", "optim.matrix_lr=nan must be >= 0"),
+    ("model.rope_base=nan", "model.rope_base=nan must be > 0"),
+    ("model.mlp_mult=0.0009", "model.mlp_mult=0.0009 gives an MLP of 0 channels at d_model=512"),
+])
+def test_nan_and_degenerate_sizes_are_refused(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, [override])
+
+
 def test_a_batch_that_does_not_divide_into_micro_batches_is_refused_when_the_config_loads():
     with pytest.raises(ConfigError, match=re.escape("train.batch_tokens=5000 is not a multiple of "
                                                     "train.micro_batch_seqs(8) x data.seq_len(256) = 2048")):

@@ -9,7 +9,7 @@ from training.checkpoint import replace_folder
 
 
 def plain_mode() -> int:
-    return 0o666 & ~current_umask()
+    return 0o666 & ~current_umask()  # the process's umask is the same now as when data.files was imported
 
 
 def test_write_atomic_makes_the_folder_and_leaves_no_temp_file(tmp_path):
@@ -44,7 +44,9 @@ def test_umask_is_read_without_being_changed():
 
 
 def test_shards_tokenizer_artifacts_and_summaries_are_written_through_it():
-    """One routine, not five: every file writer of the repository calls data.files.write_atomic."""
+    """One routine, not five: the modules that had their own (shards, tokenizer, manifest, artifact, summaries)
+    and the record's files use data.files.write_atomic. (Checkpoints are torch.save'd into a folder that
+    training.checkpoint.replace_folder puts in place; the run log is appended line by line.)"""
     import data.prepare
     import data.shards
     import data.tokenizer

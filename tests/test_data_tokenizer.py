@@ -110,6 +110,16 @@ def test_training_names_a_bad_input_line_and_refuses_a_vocabulary_it_cannot_fill
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "one.txt"]  # nothing written
 
 
+def test_a_truncated_or_corrupt_file_is_named(tmp_path):
+    """gzip's EOFError and lzma's LZMAError used to reach SentencePiece, which reported a line of this module."""
+    whole = gzip.compress(("\n".join(json.dumps({"text": t}) for t in corpus_lines(200)) + "\n").encode())
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[:len(whole) // 2])
+    (tmp_path / "bad.jsonl.xz").write_bytes(b"not xz at all")
+    for name, kind in (("cut.jsonl.gz", "EOFError"), ("bad.jsonl.xz", "LZMAError")):
+        with pytest.raises(ValueError, match=rf"{name}: cannot be read as jsonl\.\w+ text \({kind}"):
+            train_tokenizer([str(tmp_path / name)], 300, str(tmp_path / "t"), num_threads=1)
+
+
 def test_loading_a_file_that_is_not_a_model_names_it(tmp_path, trained):
     from data.tokenizer import TokenizerError, load_sp
     vocab = Path(trained).with_suffix(".vocab")

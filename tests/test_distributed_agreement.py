@@ -14,7 +14,7 @@ from model.gpt import GPT
 from training import trainer
 from training.checkpoint import Checkpointer, complete_checkpoints
 from training.config import load_config
-from training.distributed import RankAgreement, destroy, init_distributed
+from training.distributed import RankAgreement, destroy, init_distributed, require_same_on_every_rank
 from training.optim import build_optimizers
 from training.run_log import RunLog
 
@@ -229,6 +229,24 @@ def test_an_unexpected_export_failure_on_rank_0_reaches_every_rank(demo_dir, tmp
     join_or_fail(ranks, 120, "rank 1 kept waiting for the artifact after rank 0's export failed")
     assert (tmp_path / "export0.txt").read_text() == "OSError: [Errno 28] No space left on device"
     assert (tmp_path / "export1.txt").read_text() == "report: OSError: [Errno 28] No space left on device"
+
+
+def shard_list_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    join_env(rank, world, port)
+    init_distributed("cpu")
+    files = ["a.bin", "b.bin"][:2 - rank]  # rank 1's node lacks b.bin
+    write_outcome(Path(out_dir, f"files{rank}.txt"),
+                  lambda: require_same_on_every_rank(files, "training shards", "the same data everywhere") or "same")
+
+
+def test_ranks_that_see_different_shards_all_stop(tmp_path, free_port):
+    """A node with only some of the shards used to train on other data than the rest, silently."""
+    ranks = mp.spawn(shard_list_worker, args=(2, free_port, str(tmp_path)), nprocs=2, join=False)
+    join_or_fail(ranks, 60, "the ranks hung comparing their shard lists")
+    for rank in range(2):
+        assert (tmp_path / f"files{rank}.txt").read_text() == \
+            "ConfigError: rank 1 sees other training shards than rank 0 (hint: the same data everywhere)"
 
 
 def checkpoint_worker(rank: int, world: int, port: int, out_dir: str) -> None:

@@ -170,8 +170,11 @@ def test_the_command_line_names_bad_input_in_one_line(demo_dir, tmp_path, capsys
         assert message in str(stop.value), (argv, stop.value)
     with pytest.raises(SystemExit) as stop:
         evaluate.main(["--artifact", "a", "--val", val, "--tokenizer", tok, "--device", "gpu"])
-    assert stop.value.code == 2 and "--device 'gpu' is not a torch device (hint: cpu" in capsys.readouterr().err
-    if not torch.cuda.is_available():
-        with pytest.raises(SystemExit):
-            evaluate.main(["--artifact", "a", "--val", val, "--tokenizer", tok, "--device", "cuda"])
-        assert "--device cuda: no CUDA device is visible (hint: --device cpu)" in capsys.readouterr().err
+    assert stop.value.code == 2 and "--device 'gpu': expected cpu, cuda or cuda:N" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        evaluate.main(["--artifact", "a", "--val", val, "--tokenizer", tok, "--device", "meta"])
+    assert "--device 'meta': expected cpu, cuda or cuda:N" in capsys.readouterr().err
+    beyond = torch.cuda.device_count()
+    with pytest.raises(SystemExit):
+        evaluate.main(["--artifact", "a", "--val", val, "--tokenizer", tok, "--device", f"cuda:{beyond}"])
+    assert f"--device cuda:{beyond}: {beyond} CUDA device(s) visible (hint: --device cpu)" in capsys.readouterr().err

@@ -3,6 +3,7 @@ import ast
 import hashlib
 import lzma
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -192,6 +193,17 @@ def test_atomic_write_leaves_no_temp_and_keeps_old_file_on_failure(tmp_path, tin
         save_artifact(path, {**META, "bad": float("inf")}, quantized)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.art"]
+
+
+def test_a_missing_brotli_module_is_not_reported_as_a_corrupt_artifact(tmp_path, tiny, monkeypatch):
+    """parse_artifact's catch-all used to turn the missing module into "tensor ... does not decompress": a message
+    about the file, for a lack of this machine."""
+    from quant.container import CodecUnavailable
+    _, quantized = tiny
+    save_artifact(tmp_path / "a.art", META, quantized)
+    monkeypatch.setitem(sys.modules, "brotli", None)
+    with pytest.raises(CodecUnavailable, match=r"the brotli module is not installed; hint: `pip install brotli`"):
+        load_artifact(tmp_path / "a.art")
 
 
 def test_loading_code_has_no_unpickling_path():

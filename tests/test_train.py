@@ -240,6 +240,21 @@ def test_a_missing_brotli_module_stops_the_run_at_setup(demo_dir, tmp_path, monk
     assert not (tmp_path / "logs").exists()  # stopped before the run log was opened
 
 
+def test_what_rank_0_alone_opens_is_checked_at_setup(demo_dir, tmp_path, monkeypatch):
+    """wandb and the run log's folder are opened by rank 0 alone; a failure there used to come after the other
+    ranks' checks (wandb: a SystemExit on rank 0 only). They are now part of the setup checks every rank waits for."""
+    import train
+    from training.config import ConfigError
+    base = ["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path)]
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ConfigError, match=r"train.wandb=true but wandb is not installed \(hint: pip install wandb"):
+        train.main([*base, "train.wandb=true"])
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match=rf"train.log_dir={tmp_path}/a_file/logs: cannot make"):
+        train.main([*base, f"train.log_dir={tmp_path}/a_file/logs"])
+    assert not (tmp_path / "logs").exists()
+
+
 def test_an_error_mid_run_closes_the_loader_and_exits_cleanly(demo_dir, tmp_path):
     """An exception after the prefetch thread started (here: in training) reaches the caller with the loader
     closed. Left running, that thread made the interpreter abort at exit (status 134, "terminate called

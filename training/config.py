@@ -202,9 +202,9 @@ AT_LEAST = (
     ("data.seq_len", 1), ("data.shards_per_batch", 1), ("data.prefetch", 0),
     ("optim.matrix_lr", 0), ("optim.embed_lr", 0), ("optim.scalar_lr", 0), ("optim.weight_decay", 0),
     ("optim.grad_clip", 0), ("optim.ns_steps", 1), ("optim.warmup_steps", 0), ("optim.muon_momentum_warmup_steps", 0),
-    ("optim.ema_warmup_steps", 0), ("quant.calib_seqs", 1), ("quant.calib_reserve_s", 0), ("quant.cap_bytes", 1),
+    ("optim.ema_warmup_steps", 1), ("quant.calib_seqs", 1), ("quant.calib_reserve_s", 0), ("quant.cap_bytes", 1),
     ("quant.margin_bytes", 0), ("train.batch_tokens", 1), ("train.micro_batch_seqs", 1), ("train.max_steps", 1),
-    ("train.time_budget_s", 0), ("train.log_every", 1), ("train.checkpoint_every", 0))
+    ("train.time_budget_s", 0), ("train.log_every", 1), ("train.checkpoint_every", 0), ("train.seed", 0))
 # Fractions: (key, whether 1 itself is allowed). A decay or momentum of 1 never forgets (and Adam's bias
 # correction divides by 1 - beta2^t).
 FRACTIONS = (
@@ -225,7 +225,7 @@ def validate(cfg: Config) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     for key, low in AT_LEAST:
-        if _value(cfg, key) < low:
+        if not _value(cfg, key) >= low:  # NaN included
             raise ConfigError(f"{key}={_value(cfg, key)} must be >= {low}")
     for key, one_allowed in FRACTIONS:
         value = _value(cfg, key)

@@ -120,6 +120,16 @@ def fail_together(error: BaseException | None, what: str) -> None:
         raise error
 
 
+def require_same_on_every_rank(value, what: str, hint: str) -> None:
+    """Raise the same ConfigError on every rank where the ranks' `value`s (picklable) differ."""
+    if world_size() > 1:
+        values = [None] * world_size()
+        dist.all_gather_object(values, value)
+        differ = [rank for rank, v in enumerate(values) if v != values[0]]
+        if differ:
+            raise ConfigError(f"rank {differ[0]} sees other {what} than rank 0 (hint: {hint})")
+
+
 class RankAgreement:
     """The training clock and the stop request, made identical on every rank once per step.
 

@@ -83,14 +83,14 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
     report: dict = {}
     failure: Exception | None = None
     if rank == 0:
-        artifact_path.parent.mkdir(parents=True, exist_ok=True)
-        code = code_bytes(REPO)
-        budget = cfg.quant.cap_bytes - code - cfg.quant.margin_bytes
         meta = {"model_config": dataclasses.asdict(cfg.model), "tokenizer_sha256": tokenizer_sha256,
                 "run_id": cfg.train.run_id, "seq_len": cfg.data.seq_len,
                 **{f"eval_{key}": getattr(cfg.eval, key) for key in EVAL_RECORDED}}  # scripts.evaluate's defaults
-        t0 = time.perf_counter()
+        t0, code = time.perf_counter(), None
         try:
+            artifact_path.parent.mkdir(parents=True, exist_ok=True)
+            code = code_bytes(REPO)
+            budget = cfg.quant.cap_bytes - code - cfg.quant.margin_bytes
             with reference_mlps(model):
                 batches = calibration_batches(cfg, model, train_files, device)
                 t_calib_data = time.perf_counter() - t0
@@ -106,6 +106,7 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
             report = {"export_error": str(e), "code_bytes": code}
         except Exception as e:  # raised below, after the other ranks have learned of it
             failure, report = e, {"export_error": f"{type(e).__name__}: {e}", "code_bytes": code}
+            log(f"export failed: {report['export_error']}")
         else:
             seconds = time.perf_counter() - t0
             log(f"phase quantize+export {seconds:.1f} s (calibration data {t_calib_data:.1f} s; "

@@ -12,7 +12,30 @@ from typing import Any
 
 import torch
 
+from training.config import ConfigError
+
 REPO = Path(__file__).resolve().parents[1]
+
+
+def check_log_dir(log_dir: str) -> None:
+    """The folder of the run logs exists (made if missing) and takes files: checked at setup, not at the first line."""
+    folder = REPO / log_dir
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"train.log_dir={log_dir}: cannot make {folder} ({e.strerror})") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"train.log_dir={log_dir}: {folder} is not writable (hint: another train.log_dir)")
+
+
+def require_wandb() -> Any:
+    """The wandb module, or a ConfigError saying how to get it."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("train.wandb=true but wandb is not installed (hint: pip install wandb, or set "
+                          "train.wandb=false)") from None
+    return wandb
 
 
 def log_path(log_dir: str, run_id: str) -> Path:
@@ -84,9 +107,6 @@ def maybe_wandb(enabled: bool, project: str, run_id: str, config: dict) -> Any:
     """A wandb run when enabled (WANDB_MODE=offline/disabled honoured by wandb itself), else None."""
     if not enabled:
         return None
-    try:
-        import wandb
-    except ImportError:
-        raise SystemExit("train.wandb=true but wandb is not installed (hint: pip install wandb, or set train.wandb=false)")
+    wandb = require_wandb()
     return wandb.init(project=os.environ.get("WANDB_PROJECT", project), name=run_id, config=config,
                       mode=os.environ.get("WANDB_MODE"))
