@@ -263,8 +263,8 @@ def print_summary(runs: list[SeedRun], sig: dict | None) -> None:
 
 
 def parse_seeds(text: str) -> list[int]:
-    if not re.fullmatch(r"\s*-?\d+(\s*,\s*-?\d+)*\s*", text):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1337,42,2025")
+    if not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", text):  # train.seed must be >= 0
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers >= 0, e.g. 1337,42,2025")
     seeds = [int(s) for s in text.split(",")]
     if len(set(seeds)) != len(seeds):
         raise argparse.ArgumentTypeError(f"{text!r}: each seed once (a repeated seed is not an independent run)")

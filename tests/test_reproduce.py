@@ -181,6 +181,7 @@ def test_dry_run_prints_one_command_per_seed(capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--seeds", "1,x"], "expected comma-separated integers"),
+    (["--seeds", "1,-2"], "expected comma-separated integers >= 0"),
     (["--seeds", "1,1"], "each seed once"),
     (["--seeds", "1,2", "--", "train.seed=5"], "set per seed by this script"),
     (["--seeds", "1", "--baseline", "a.txt", "b.txt"], "at least 2 runs on each side"),
