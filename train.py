@@ -71,13 +71,13 @@ def warm_up_compile(step_model, model, loader, optimizers, cfg: Config, accum: i
 def main(argv=None, default_config: str | None = None) -> dict:
     args = parse_args(argv, default_config)
     cfg = load_config(args.config, args.overrides)
-    require_codec(ARTIFACT_CODEC)  # on every rank, before anything runs: the export needs it after training
     dist = init_distributed(cfg.train.device)
     device = dist.device
     t_setup = time.perf_counter()
     # The inputs are checked before a run log or a model exists: a run that cannot start leaves no log behind.
     failure = None
     try:
+        require_codec(ARTIFACT_CODEC)  # the export needs it after training
         grad_accum_steps(cfg, dist.world_size)  # the batch divides over this world size
         train_files = list_shards(cfg.data.train_files)
         val = load_validation(cfg, train_files, dist.rank)  # before the loader's thread starts: bad paths fail fast
@@ -243,8 +243,9 @@ def source_entropy(cfg: Config) -> float | None:
     return value
 
 
-# Bad input (a config key, a path, a shard, an artifact, a folder in use, a missing codec module), or another rank's:
-# the message names the file, field or module and gives a hint, so it is printed alone; any other error keeps its traceback.
+# Bad input (a config key, a path, a shard, an artifact, a folder in use, a missing codec module), or another
+# rank's: the message names the file, field or module and gives a hint, so it is printed alone; any other error
+# keeps its traceback.
 INPUT_ERRORS = (ConfigError, ShardError, TokenizerError, ByteAuditError, ArtifactError, CodecUnavailable,
                 FileNotFoundError, FileExistsError, RankFailed)
 

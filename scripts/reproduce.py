@@ -271,6 +271,11 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def override_hint(arg: str, otherwise: str = "") -> str:
+    """An argument that looks like a config override landed in argparse: it belongs after --."""
+    return f" (hint: config overrides go after --, e.g. -- {arg})" if "=" in arg else otherwise
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     argv, overrides = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -290,8 +295,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "the seeds --reuse would read back)")
     a, unknown = p.parse_known_args(argv)
     if unknown:
-        hint = f" (hint: config overrides go after --, e.g. -- {unknown[0]})" if "=" in unknown[0] else ""
-        p.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+        p.error(f"unrecognized arguments: {' '.join(unknown)}{override_hint(unknown[0])}")
     a.overrides = overrides
     a.name = a.name or Path(a.config).stem
     for o in overrides:
@@ -302,9 +306,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                 "least 2 runs on each side")
     missing = [log for log in a.baseline if not Path(log).is_file()]
     if missing:  # a shell glob that matched nothing arrives as the pattern itself
-        hint = (f"config overrides go after --, e.g. -- {missing[0]}" if "=" in missing[0]
-                else "train.py writes <train.log_dir>/<run_id>.txt")
-        p.error(f"--baseline {missing[0]}: no such log file (hint: {hint})")
+        p.error(f"--baseline {missing[0]}: no such log file"
+                + override_hint(missing[0], " (hint: train.py writes <train.log_dir>/<run_id>.txt)"))
     return a
 
 

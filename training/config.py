@@ -217,6 +217,18 @@ def _value(cfg: Config, key: str):
     return getattr(getattr(cfg, section), name)
 
 
+def grad_accum_steps(cfg: Config, world_size: int) -> int:
+    """Micro-steps per optimizer step so that the global batch is exactly train.batch_tokens."""
+    per_micro = world_size * cfg.train.micro_batch_seqs * cfg.data.seq_len
+    if cfg.train.batch_tokens % per_micro:
+        ranks = f"world_size({world_size}) x " if world_size > 1 else ""
+        raise ConfigError(
+            f"train.batch_tokens={cfg.train.batch_tokens} is not a multiple of {ranks}train.micro_batch_seqs("
+            f"{cfg.train.micro_batch_seqs}) x data.seq_len({cfg.data.seq_len}) = {per_micro} (hint: change "
+            "micro_batch_seqs so it divides)")
+    return cfg.train.batch_tokens // per_micro
+
+
 def validate(cfg: Config) -> None:
     m, t = cfg.model, cfg.train
     try:
@@ -231,10 +243,7 @@ def validate(cfg: Config) -> None:
         value = _value(cfg, key)
         if not (0 <= value <= 1 if one_allowed else 0 <= value < 1):
             raise ConfigError(f"{key}={value} must be in [0, 1{']' if one_allowed else ')'}")
-    if t.batch_tokens % (t.micro_batch_seqs * cfg.data.seq_len):  # and of the world size: train.py checks that
-        raise ConfigError(f"train.batch_tokens={t.batch_tokens} is not a multiple of train.micro_batch_seqs("
-                          f"{t.micro_batch_seqs}) x data.seq_len({cfg.data.seq_len}) = "
-                          f"{t.micro_batch_seqs * cfg.data.seq_len} (hint: change micro_batch_seqs so it divides)")
+    grad_accum_steps(cfg, 1)  # and for the world size, where train.py knows it
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
     if m.n_heads % m.n_kv_heads:

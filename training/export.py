@@ -107,7 +107,7 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
         except Exception as e:  # raised below, after the other ranks have learned of it
             failure, report = e, {"export_error": f"{type(e).__name__}: {e}", "code_bytes": code}
             log(f"export failed: {report['export_error']}")
-        else:
+        if failure is None:  # a BudgetError too: calibration and quantization ran
             seconds = time.perf_counter() - t0
             log(f"phase quantize+export {seconds:.1f} s (calibration data {t_calib_data:.1f} s; "
                 f"reserve {cfg.quant.calib_reserve_s} s)")

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from training.checkpoint import Checkpointer, Resumed
-from training.config import Config, ConfigError
+from training.config import Config, grad_accum_steps
 from training.distributed import DistInfo, RankAgreement, optimizer_step
 from training.optim import set_lr_and_momentum
 from training.schedule import lr_multiplier
@@ -31,17 +31,6 @@ class TrainResult:
     train_time_s: float
     tokens: int
     stopped_by: str            # "max_steps" | "time_budget" | "signal"
-
-
-def grad_accum_steps(cfg: Config, world_size: int) -> int:
-    """Micro-steps per optimizer step so that the global batch is exactly train.batch_tokens."""
-    per_micro = world_size * cfg.train.micro_batch_seqs * cfg.data.seq_len
-    if cfg.train.batch_tokens % per_micro:
-        raise ConfigError(
-            f"train.batch_tokens={cfg.train.batch_tokens} is not a multiple of world_size({world_size}) x "
-            f"train.micro_batch_seqs({cfg.train.micro_batch_seqs}) x data.seq_len({cfg.data.seq_len}) = {per_micro}"
-            " (hint: change micro_batch_seqs so it divides)")
-    return cfg.train.batch_tokens // per_micro
 
 
 def autocast_for(device: torch.device):
