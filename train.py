@@ -97,7 +97,12 @@ def main(argv=None, default_config: str | None = None) -> dict:
         torch.distributed.broadcast_object_list(holder, src=0)
         run_id = holder[0]
     cfg.train.run_id = run_id
-    wandb_run = maybe_wandb(cfg.train.wandb and dist.rank == 0, cfg.train.wandb_project, run_id, to_dict(cfg))
+    wandb_run, failure = None, None
+    try:  # rank 0's wandb.init can fail in online mode (network, login): every rank stops, as at setup
+        wandb_run = maybe_wandb(cfg.train.wandb and dist.rank == 0, cfg.train.wandb_project, run_id, to_dict(cfg))
+    except ConfigError as e:
+        failure = e
+    fail_together(failure, "wandb.init")
     log = RunLog(log_path(cfg.train.log_dir, run_id), dist.rank == 0, wandb_run)
     log(f"run {run_id}  commit {git_commit(REPO)}  world_size {dist.world_size}  device {device}")
     log("versions " + json.dumps(versions()))

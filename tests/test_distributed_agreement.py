@@ -173,31 +173,50 @@ def test_ranks_agree_on_the_clock_and_on_stop_requests(tmp_path, free_port):
     assert sorted(p.name for p in saved[0].glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
 
 
-def setup_worker(rank: int, world: int, port: int, data: str, out_dir: str) -> None:
-    """train.main on one of two ranks, with the validation byte audit made to fail (rank 0 alone runs it)."""
+class WandbWithoutNetwork:
+    """The wandb module as it behaves online with no route to its server: init raises."""
+
+    def init(self, **kwargs):
+        raise ConnectionError("could not reach api.wandb.ai")
+
+
+def setup_worker(rank: int, world: int, port: int, data: str, out_dir: str, fault: str) -> None:
+    """train.main on one of two ranks, with a step that rank 0 alone runs made to fail: the validation byte audit
+    (fault="audit") or wandb.init (fault="wandb")."""
     torch.set_num_threads(1)
     join_env(rank, world, port)
+    import sys
+
     import train
     import training.evaluate
-    training.evaluate.audit_bytes = lambda tokens, sp, lut: (1, 2)
     repo = Path(__file__).resolve().parents[1]
     argv = ["--config", str(repo / "configs/demo.toml"), "train.device=cpu", "train.micro_batch_seqs=16",
             f"data.train_files={data}/fineweb_train_*.bin", f"data.val_files={data}/fineweb_val_*.bin",
             f"data.tokenizer={data}/tokenizer.model", f"train.log_dir={out_dir}/logs", f"train.out_dir={out_dir}/runs",
             "train.run_id=setup"]
+    if fault == "audit":
+        training.evaluate.audit_bytes = lambda tokens, sp, lut: (1, 2)
+    else:
+        sys.modules["wandb"] = WandbWithoutNetwork()
+        argv.append("train.wandb=true")
     write_outcome(Path(out_dir, f"setup{rank}.txt"), lambda: train.main(argv) and "trained")
 
 
-def test_a_rank_that_fails_at_setup_stops_every_rank(demo_dir, tmp_path, free_port):
-    """Rank 0's byte audit fails. Rank 1 used to go on to its first collective and fail there once rank 0's process
-    had gone (gloo: "Connection closed by peer ... typically caused by a remote worker crashing"), with a run log
-    opened. Both now stop at setup, each with a message, and no run log is left."""
-    ranks = mp.spawn(setup_worker, args=(2, free_port, str(demo_dir), str(tmp_path)), nprocs=2, join=False)
-    join_or_fail(ranks, 120, "rank 1 did not stop when rank 0 failed its setup checks")
-    assert (tmp_path / "setup0.txt").read_text().startswith("ByteAuditError: byte accounting mismatch on ")
+@pytest.mark.parametrize("fault, rank0_says, step", [
+    ("audit", "ByteAuditError: byte accounting mismatch on ", "its setup checks"),
+    ("wandb", "ConfigError: train.wandb=true but wandb.init failed (ConnectionError: could not reach api.wandb.ai) "
+              "(hint: WANDB_MODE=offline", "wandb.init"),
+], ids=["audit", "wandb"])
+def test_a_rank_that_fails_at_setup_stops_every_rank(demo_dir, tmp_path, free_port, fault, rank0_says, step):
+    """Rank 0's byte audit (or its wandb.init) fails. Rank 1 used to go on to its first collective and fail there
+    once rank 0's process had gone (gloo: "Connection closed by peer ... typically caused by a remote worker
+    crashing"), with a run log opened. Both now stop at setup, each with a message, and no run log is left."""
+    ranks = mp.spawn(setup_worker, args=(2, free_port, str(demo_dir), str(tmp_path), fault), nprocs=2, join=False)
+    join_or_fail(ranks, 120, f"rank 1 did not stop when rank 0 failed {step}")
+    assert (tmp_path / "setup0.txt").read_text().startswith(rank0_says)
     assert (tmp_path / "setup1.txt").read_text() == \
-        "RankFailed: stopped: another rank failed its setup checks (its own message says why)"
-    assert not (tmp_path / "logs").exists()
+        f"RankFailed: stopped: another rank failed {step} (its own message says why)"
+    assert not list(tmp_path.glob("logs/*"))  # the setup check may have made the folder, but no run log is in it
 
 
 def export_worker(rank: int, world: int, port: int, data: str, out_dir: str) -> None:

@@ -77,6 +77,15 @@ def test_wandb_is_optional_and_receives_step_metrics(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match="pip install wandb"):
             maybe_wandb(True, "p", "r", {})
 
+    class Offline(FakeWandb):  # online mode without a network: wandb.init raises (wandb's CommError, a timeout)
+        def init(self, **kwargs):
+            raise TimeoutError("api.wandb.ai timed out")
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "wandb", Offline())
+        with pytest.raises(ConfigError, match=r"wandb.init failed \(TimeoutError: api.wandb.ai timed out\) \(hint: "
+                                              r"WANDB_MODE=offline"):
+            maybe_wandb(True, "p", "r", {})
+
     run = FakeWandb().init(project="p", name="r")
     log = RunLog(tmp_path / "log.txt", enabled=True, wandb_run=run)
     log.record("step", step=3, loss=1.5, tok_s=100)

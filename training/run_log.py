@@ -104,9 +104,16 @@ class RunLog:
 
 
 def maybe_wandb(enabled: bool, project: str, run_id: str, config: dict) -> Any:
-    """A wandb run when enabled (WANDB_MODE=offline/disabled honoured by wandb itself), else None."""
+    """A wandb run when enabled (WANDB_MODE=offline/disabled honoured by wandb itself), else None.
+
+    wandb.init talks to the server in online mode: a network or login failure there is a ConfigError that says
+    how to run without it, raised before the run log opens (train.py has every rank stop on it)."""
     if not enabled:
         return None
     wandb = require_wandb()
-    return wandb.init(project=os.environ.get("WANDB_PROJECT", project), name=run_id, config=config,
-                      mode=os.environ.get("WANDB_MODE"))
+    try:
+        return wandb.init(project=os.environ.get("WANDB_PROJECT", project), name=run_id, config=config,
+                          mode=os.environ.get("WANDB_MODE"))
+    except Exception as e:  # wandb's CommError/UsageError, a timeout, a refused login: all stop the run the same way
+        raise ConfigError(f"train.wandb=true but wandb.init failed ({type(e).__name__}: {e}) (hint: WANDB_MODE=offline "
+                          "logs locally for a later `wandb sync`, or set train.wandb=false)") from e
