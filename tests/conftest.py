@@ -25,6 +25,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture
+def fail_at_call(monkeypatch):
+    """fail_at_call(owner, name, n, error): `owner.name` raises `error` at its n-th call and runs the real function at
+    the others, to stop a routine midway (a crash between two renames, a kill between two shards). Returns the list
+    of the calls' first arguments; clearing it counts the calls from zero again."""
+    def install(owner, name: str, n: int, error: BaseException) -> list:
+        real, calls = getattr(owner, name), []
+
+        def fails_at_nth(*args, **kwargs):
+            calls.append(args[0] if args else None)
+            if len(calls) == n:
+                raise error
+            return real(*args, **kwargs)
+        monkeypatch.setattr(owner, name, fails_at_nth)
+        return calls
+    return install
+
+
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory) -> Path:
     """A small demo corpus (train/val shards, tokenizer, manifest), built once per test session."""

@@ -83,19 +83,12 @@ def test_replace_folder_clears_an_aside_left_by_a_killed_run(tmp_path):
     assert (final / "file.txt").read_text() == "newest" and not aside.exists()
 
 
-def test_a_failed_replace_keeps_the_old_folder_aside_for_recovery(tmp_path, monkeypatch):
+def test_a_failed_replace_keeps_the_old_folder_aside_for_recovery(tmp_path, fail_at_call):
     """Killed between the two renames (simulated: the second fails), the old folder is at `aside`, whole."""
     final, aside = tmp_path / "record", tmp_path / ".record.replaced"
     make_folder(final, "old")
     make_folder(tmp_path / "new", "new")
-    real_replace, calls = os.replace, []
-
-    def second_fails(src, dst):
-        calls.append(src)
-        if len(calls) == 2:
-            raise OSError("simulated crash")
-        real_replace(src, dst)
-    monkeypatch.setattr(os, "replace", second_fails)
+    fail_at_call(os, "replace", 2, OSError("simulated crash"))
     with pytest.raises(OSError, match="simulated crash"):
         replace_folder(tmp_path / "new", final, aside)
     assert (aside / "file.txt").read_text() == "old" and not final.exists()

@@ -78,19 +78,12 @@ def test_separate_val_input_and_overwrite(demo_text, tmp_path):
         prepare([str(d / "docs.txt")], model, tmp_path / "y", val_docs=10_000)
 
 
-def test_an_interrupted_run_leaves_the_folder_as_it_was(demo_text, tmp_path, monkeypatch):
+def test_an_interrupted_run_leaves_the_folder_as_it_was(demo_text, tmp_path, fail_at_call):
     """Shards are staged and moved in only when every split and the manifest are done: killed midway, a
     first run leaves an empty folder, and an --overwrite run leaves the old set whole (nothing staged left)."""
     d, _, model = demo_text
     import data.prepare as prep
-    real_write, calls = prep.write_shard, []
-
-    def write_then_die(path, tokens):
-        calls.append(path)
-        if len(calls) == 3:
-            raise KeyboardInterrupt("killed")
-        real_write(path, tokens)
-    monkeypatch.setattr(prep, "write_shard", write_then_die)
+    calls = fail_at_call(prep, "write_shard", 3, KeyboardInterrupt("killed"))
     with pytest.raises(KeyboardInterrupt):
         prepare([str(d / "docs.txt")], model, tmp_path / "first", shard_tokens=3_000, workers=1)
     assert list((tmp_path / "first").iterdir()) == []
