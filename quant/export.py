@@ -165,18 +165,11 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     against the in-memory quantized tensors, so the reported size is the size of what loads.
     """
     check_meta(meta)
-    if method not in METHODS:
-        raise ValueError(f"unknown quantization method {method!r}; expected one of {METHODS}")
-    if min_bits not in MIN_BITS:
-        raise ValueError(f"min_bits={min_bits}: expected one of {MIN_BITS} (int4 fallback or int5 floor)")
-    if table_bits not in TABLE_BITS:
-        raise ValueError(f"table_bits={table_bits}: expected one of {TABLE_BITS}")
-    if error_weight not in ERROR_WEIGHTS:
-        raise ValueError(f"unknown error_weight {error_weight!r}; expected one of {ERROR_WEIGHTS}")
-    if allocator not in ALLOCATORS:
-        raise ValueError(f"unknown allocator {allocator!r}; expected one of {ALLOCATORS}")
-    if observed_bits not in OBSERVED_BITS:
-        raise ValueError(f"observed_bits={observed_bits}: expected one of {OBSERVED_BITS}")
+    for name, value, allowed in (("method", method, METHODS), ("min_bits", min_bits, MIN_BITS),
+                                 ("table_bits", table_bits, TABLE_BITS), ("error_weight", error_weight, ERROR_WEIGHTS),
+                                 ("allocator", allocator, ALLOCATORS), ("observed_bits", observed_bits, OBSERVED_BITS)):
+        if value not in allowed:
+            raise ValueError(f"quantization option {name}={value!r}: expected one of {allowed}")
     plan = plan_tensors(model, table_patterns, observed_patterns)
     if not plan.linears:
         raise ValueError("the model has no nn.Linear modules to quantize")

@@ -60,31 +60,16 @@ def corrupt(path, offset, data):
         f.write(data)
 
 
-def test_bad_magic(tmp_path):
+@pytest.mark.parametrize("offset, header, dtype, says", [
+    (0, [1234], "<i4", rf"magic is 1234, expected {MAGIC}"),
+    (0, [MAGIC, 1, 10], ">i4", "magic"),  # a big-endian header is not a shard
+    (4, [2], "<i4", "version is 2, expected 1"),
+    (8, [-5], "<i4", "negative"),
+], ids=["bad_magic", "big_endian", "bad_version", "negative_count"])
+def test_a_bad_header_field_is_named(tmp_path, offset, header, dtype, says):
     path = good_shard(tmp_path)
-    corrupt(path, 0, np.array([1234], dtype="<i4").tobytes())
-    with pytest.raises(ShardError, match=rf"{path}.*magic is 1234, expected {MAGIC}"):
-        read_shard(path)
-
-
-def test_big_endian_header_is_not_a_shard(tmp_path):
-    path = good_shard(tmp_path)
-    corrupt(path, 0, np.array([MAGIC, 1, 10], dtype=">i4").tobytes())
-    with pytest.raises(ShardError, match=f"{path}.*magic"):
-        read_shard(path)
-
-
-def test_bad_version(tmp_path):
-    path = good_shard(tmp_path)
-    corrupt(path, 4, np.array([2], dtype="<i4").tobytes())
-    with pytest.raises(ShardError, match=f"{path}.*version is 2, expected 1"):
-        read_shard(path)
-
-
-def test_negative_count(tmp_path):
-    path = good_shard(tmp_path)
-    corrupt(path, 8, np.array([-5], dtype="<i4").tobytes())
-    with pytest.raises(ShardError, match=f"{path}.*negative"):
+    corrupt(path, offset, np.array(header, dtype=dtype).tobytes())
+    with pytest.raises(ShardError, match=rf"{path}.*{says}"):
         read_shard(path)
 
 
