@@ -3,7 +3,13 @@ kernels move: the floor and the design bound that scripts/bench_kernels.py print
 stream bytes on which its block sweep rates each kernel."""
 from __future__ import annotations
 
-from kernels import mhc_reference as R
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import mhc_reference as R  # noqa: E402
 
 
 def floor_bytes_per_token(n: int, C: int, stream_bytes: int = 2) -> dict[str, int]:
@@ -64,3 +70,57 @@ def design_bound(n: int, C: int) -> str:
     return (f"the kernels' own bytes/token: {', '.join(f'{k} {v}' for k, v in own.items())}; sum {total} = "
             f"{total / floor:.2f}x the floor, so at copy bandwidth this design reaches {100 * floor / total:.1f}% "
             "of the floor at most")
+
+
+def step_table(ns: list[int], C: int, tokens: int, sublayers: int, gbps: float, rest_ms: list[float] | None = None,
+               plain_ms: float | None = None) -> str:
+    """Milliseconds that the bytes above allow at `gbps` (a measured copy bandwidth, read + write), per unit and
+    per training step of `sublayers` mHC units. With rest_ms (for each n, the step's time outside its mHC kernels,
+    from a profile) and plain_ms (the n=1 step), the step at the floor and its cost against the plain one."""
+    head = ["n", "floor B/token", "kernels' B/token", "floor ms/unit", "design ms/unit", "floor ms/step",
+            "design ms/step"]
+    if rest_ms is not None:
+        head += ["step at the floor, ms"] + (["vs plain"] if plain_ms else [])
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, n in enumerate(ns):
+        floor = floor_bytes_per_token(n, C)["fwd+bwd"]
+        own = sum(kernel_bytes_per_token(n, C).values())
+        floor_ms, own_ms = (b * tokens / (gbps * 1e9) * 1e3 for b in (floor, own))
+        row = [str(n), f"{floor:,}", f"{own:,}", f"{floor_ms:.3f}", f"{own_ms:.3f}", f"{sublayers * floor_ms:.1f}",
+               f"{sublayers * own_ms:.1f}"]
+        if rest_ms is not None:
+            step = rest_ms[i] + sublayers * floor_ms
+            row += [f"{step:.1f}"] + ([f"{step / plain_ms:.2f}x"] if plain_ms else [])
+        out.append("| " + " | ".join(row) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    import argparse
+    p = argparse.ArgumentParser(description="What the mHC bytes allow: the floor and this kernel design's own bytes "
+                                "per token, in milliseconds per unit and per training step at a copy bandwidth. "
+                                "Arithmetic, not a measurement (scripts/bench_kernels.py mhc measures).")
+    p.add_argument("--n", type=int, nargs="+", default=[4, 2], help="streams (default: 4 2)")
+    p.add_argument("--C", type=int, default=512, help="stream width, the model's d_model (default 512)")
+    p.add_argument("--tokens", type=int, default=98_304, help="tokens per GPU per step (default 98,304)")
+    p.add_argument("--sublayers", type=int, default=22, help="mHC units per step: 2 per block (default 22)")
+    p.add_argument("--gbps", type=float, default=3_000.0,
+                   help="copy bandwidth in GB/s, as bench_kernels measures it (default 3,000: an H100)")
+    p.add_argument("--rest-ms", type=float, nargs="+",
+                   help="for each --n, the step's time outside its mHC kernels in ms (a profile's figure)")
+    p.add_argument("--plain-ms", type=float, help="the n=1 step in ms, to print the step at the floor against it")
+    args = p.parse_args(argv)
+    values = dict(n=args.n, C=[args.C], tokens=[args.tokens], sublayers=[args.sublayers], gbps=[args.gbps],
+                  rest_ms=args.rest_ms or [], plain_ms=[args.plain_ms] if args.plain_ms is not None else [])
+    bad = [name for name, given in values.items() if any(v <= 0 for v in given)]
+    if bad:
+        p.error(f"--{bad[0].replace('_', '-')} must be positive")
+    if args.rest_ms is not None and len(args.rest_ms) != len(args.n):
+        p.error(f"--rest-ms takes one value per --n ({len(args.n)}), got {len(args.rest_ms)}")
+    if args.plain_ms is not None and args.rest_ms is None:
+        p.error("--plain-ms needs --rest-ms (the step without its mHC kernels)")
+    print(step_table(args.n, args.C, args.tokens, args.sublayers, args.gbps, args.rest_ms, args.plain_ms))
+
+
+if __name__ == "__main__":
+    main()

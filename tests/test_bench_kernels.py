@@ -151,3 +151,19 @@ def test_gpu_bench_mhc_profile_once_runs_the_unit_and_times_nothing(capsys):
     from scripts.bench_kernels import main
     assert main(["mhc", "--tokens", "3000", "--profile-once"]) == []
     assert "ran mhc_post_pre forward+backward twice at T=3000" in capsys.readouterr().out
+
+
+def test_mhc_bytes_prints_what_the_floor_allows_per_step(capsys):
+    """`python scripts/mhc_bytes.py`: README's arithmetic (n=4: 22 x 0.859 ms at the floor, a step of no less than
+    ~99.7 ms beside the 80.8 ms outside the mHC kernels) as a command; bad values are refused by name."""
+    from scripts import mhc_bytes
+    mhc_bytes.main(["--rest-ms", "80.8", "81.5", "--plain-ms", "88.6"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows[0][:8] == ["| 4", "26,200", "35,832", "0.859", "1.174", "18.9", "25.8", "99.7"]
+    assert rows[1][0] == "| 2" and rows[1][7:] == ["92.7", "1.05x |"]
+    for argv, says in ((["--n", "0"], "--n must be positive"), (["--gbps", "-1"], "--gbps must be positive"),
+                       (["--rest-ms", "3"], "--rest-ms takes one value per --n (2), got 1"),
+                       (["--plain-ms", "3"], "--plain-ms needs --rest-ms")):
+        with pytest.raises(SystemExit):
+            mhc_bytes.main(argv)
+        assert says in capsys.readouterr().err
