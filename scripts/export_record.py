@@ -33,7 +33,8 @@ if str(REPO) not in sys.path:  # `python scripts/export_record.py` as well as `p
 
 from data.files import current_umask, write_atomic  # noqa: E402
 from quant.size import CAP_BYTES  # noqa: E402
-from scripts.reproduce import SeedResult, baseline_losses, build_submission, significance  # noqa: E402
+from scripts.record_rule import Scored, final_problem, read_baseline, significance  # noqa: E402
+from scripts.reproduce import SeedResult, build_submission  # noqa: E402
 from scripts.runlog import LogFormatError, RunLogData, parse_log  # noqa: E402
 from scripts.train_gpt_template import BOOTSTRAP  # noqa: E402
 from training.checkpoint import replace_folder  # noqa: E402
@@ -256,10 +257,9 @@ def check_runs(logs: list[RunLogData]) -> list[SeedResult]:
     results = []
     for log in logs:
         final = log.require_final()
-        if "val_bpb" not in final:
-            raise ValueError(f"{log.source}: the run shipped no scored artifact ({final.get('export_error', '?')})")
-        if final["total_bytes"] > CAP_BYTES:
-            raise ValueError(f"{log.source}: {final['total_bytes']:,} bytes is over the {CAP_BYTES:,}-byte cap")
+        problem = final_problem(final)
+        if problem:
+            raise ValueError(f"{log.source}: not a scored run within the cap ({problem})")
         if log.config_value("eval.max_tokens"):
             raise ValueError(f"{log.source}: scored on the first eval.max_tokens={log.config_value('eval.max_tokens')} "
                              "validation tokens only; a record is scored on all of them (hint: eval.max_tokens=0)")
@@ -321,7 +321,8 @@ def main(argv=None) -> Path:
                                  packed=a.code == "packed").encode()
         sig = None
         if a.baseline:
-            sig = significance([r.final["val_loss"] for r in results], *baseline_losses(a.baseline))
+            candidate = [Scored.from_final(r.final, r.seed, str(log.source)) for r, log in zip(results, logs)]
+            sig = significance(candidate, read_baseline(a.baseline, logs[0].config_value("model.vocab_size")))
         sub = build_submission(name, a.github_id, results, code_bytes=len(script), significance_block=sig)
         if sub["bytes_total"] > CAP_BYTES:
             raise ValueError(f"artifact + {len(script):,} bytes of train_gpt.py = {sub['bytes_total']:,} bytes, "

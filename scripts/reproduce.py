@@ -9,7 +9,8 @@ torch.distributed.run with --nproc-per-node) and is read back from its last stdo
 rule of the challenge: the mean val_loss must beat the baseline's by at least 0.005 nats, shown by a
 one-sided Welch t-test at p < 0.01 (printed beside the same test without the margin: better at all?).
 A failed run, or one over the 16,000,000-byte cap, makes the exit status non-zero and no submission.json
-is written.
+is written. So does a baseline that cannot be compared with the seeds (scripts/record_rule.py: other
+validation tokens, a repeated or failed baseline run); the logs stay, and --reuse compares them again.
 
 A seed whose log (<train.log_dir>/<run_id>.txt) already exists is refused up front: train.py appends to
 its log, so a second run would mix two trajectories in one file. With --reuse a finished run there is
@@ -33,32 +34,15 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python scripts/reproduce.py` as well as `python -m scripts.reproduce`
     sys.path.insert(0, str(REPO))
 
-from quant.size import CAP_BYTES  # noqa: E402
 from data.files import write_atomic  # noqa: E402
+from scripts.record_rule import (RECORD_MARGIN_NATS, ComparisonError, Scored, final_problem,  # noqa: E402
+                                 read_baseline, significance)
 from scripts.runlog import LogFormatError, RunLogData, parse_lines, parse_log, stream_run  # noqa: E402
-from scripts.stats import mean_std, welch_one_sided  # noqa: E402
+from scripts.stats import mean_std  # noqa: E402
 from training.config import Config, ConfigError, load_config, to_dict  # noqa: E402
 from training.run_log import log_path  # noqa: E402
 
-RECORD_MARGIN_NATS = 0.005   # a new record must beat the best by this much in val_loss ...
-RECORD_ALPHA = 0.01          # ... at this one-sided significance level
 SET_BY_SCRIPT = ("train.seed=", "train.run_id=")
-
-
-# ----- the record rule -----
-
-def significance(candidate_losses: list[float], baseline_losses: list[float], baseline_ids: list[str]) -> dict:
-    """The record rule's test, and beside it the same test without the margin ("any_improvement"): whether
-    the candidate is better at all, which is what comparing two layouts of one's own asks."""
-    test = welch_one_sided(baseline_losses, candidate_losses, RECORD_MARGIN_NATS)
-    any_gain = welch_one_sided(baseline_losses, candidate_losses, 0.0)
-    improvement = mean_std(baseline_losses)[0] - mean_std(candidate_losses)[0]
-    return {"baseline_runs": baseline_ids, "baseline_val_loss": mean_std(baseline_losses)[0],
-            "improvement_nats": improvement, "required_nats": RECORD_MARGIN_NATS, "alpha": RECORD_ALPHA,
-            "test": "Welch t, one-sided, H1: improvement > required_nats", **test,
-            "is_record": improvement >= RECORD_MARGIN_NATS and test["p_value"] < RECORD_ALPHA,
-            "any_improvement": {"test": "Welch t, one-sided, H1: improvement > 0", "t": any_gain["t"],
-                                "p_value": any_gain["p_value"]}}
 
 
 # ----- submission.json -----
@@ -115,11 +99,6 @@ def write_json_atomic(path: Path, value: dict) -> None:
     write_atomic(path, (json.dumps(value, indent=2) + "\n").encode())
 
 
-def baseline_losses(paths: list[str]) -> tuple[list[float], list[str]]:
-    logs = [parse_log(p) for p in paths]
-    return [log.require_final()["val_loss"] for log in logs], [log.label for log in logs]
-
-
 # ----- running the seeds -----
 
 @dataclass
@@ -136,16 +115,17 @@ class SeedRun:
     def problem(self) -> str | None:
         """Why this run cannot count, or None."""
         f = self.final
-        if f is not None and "export_error" in f:  # train.py found no artifact that fits
-            return f"no artifact: {f['export_error']}"
-        if f is not None and f.get("total_bytes", 0) > CAP_BYTES:
-            return (f"over the {CAP_BYTES:,}-byte cap: {f['total_bytes']:,} bytes "
-                    f"(artifact {f.get('artifact_bytes', 0):,} + code {f.get('code_bytes', 0):,})")
+        why = final_problem(f) if f is not None else None
+        if why and ("export_error" in f or "total_bytes" in f):  # train.py's own account beats its exit status
+            return why
         if self.returncode != 0:
             return f"train.py exited with status {self.returncode}"
         if f is None or "val_bpb" not in f:
             return "no final JSON line with val_bpb on stdout"
-        return None
+        return why
+
+    def scored(self) -> Scored:
+        return Scored.from_final(self.final, self.seed, self.run_id)
 
 
 def train_command(config: str, seed: int, run_id: str, overrides: list[str], nproc: int | None) -> list[str]:
@@ -210,7 +190,7 @@ def reuse_seed(run: SeedRun, log: RunLogData, config: str, overrides: list[str],
                          "--nproc-per-node, or move the log away to run the seed again")
     run.returncode, run.final, run.reused = 0, log.final, True
     run.versions, run.world_size = log.versions, log.world_size or 1
-    failure = run.problem() or ("over its config's quant.cap_bytes" if run.final.get("fits_cap") is False else None)
+    failure = run.problem()
     if failure:
         raise SystemExit(f"reproduce: {path} is a failed run of seed {run.seed} ({failure}); hint: move it away to "
                          "run that seed again")
@@ -323,22 +303,37 @@ def main(argv=None) -> int:
     try:
         # a typo fails now, not after the first seed's hours (as seed 1 will run: train.resume needs a run id)
         cfg = load_config(a.config, [*a.overrides, f"train.seed={runs[0].seed}", f"train.run_id={runs[0].run_id}"])
-        baseline = baseline_losses(a.baseline) if a.baseline else None
+        if cfg.eval.max_tokens:  # a submission, and the record rule, score the whole validation set
+            raise ConfigError(f"eval.max_tokens={cfg.eval.max_tokens} scores the first tokens of the validation set "
+                              "only; seeds for a submission are scored on all of it (hint: eval.max_tokens=0; "
+                              "scripts/ablate.py compares layouts on a subset)")
+        baseline = read_baseline(a.baseline, cfg.model.vocab_size) if a.baseline else None
         check_existing_logs(runs, cfg.train.log_dir, reuse=a.reuse, resume=bool(cfg.train.resume),
                             config=a.config, overrides=a.overrides, world_size=a.nproc_per_node or 1)
-    except (ConfigError, LogFormatError, FileNotFoundError) as e:
+    except (ConfigError, LogFormatError, FileNotFoundError, ComparisonError) as e:
         raise SystemExit(f"reproduce: {e}") from None
     for r in runs:
         if not r.reused:
             run_seed(r)
     good = [r for r in runs if r.problem() is None]
-    sig = None
-    if baseline is not None and len(good) >= 2:
-        sig = significance([r.final["val_loss"] for r in good], *baseline)
+    sig, not_compared = None, None
+    if baseline is not None and len(good) < len(runs):  # a verdict on the seeds that survived would hide the others
+        not_compared = f"not compared with the baseline: {len(runs) - len(good)} of {len(runs)} seed(s) failed"
+    elif baseline is not None:
+        try:
+            sig = significance([r.scored() for r in runs], baseline)
+        except (ComparisonError, ValueError) as e:
+            not_compared = f"not compared with the baseline: {e}"
     print_summary(runs, sig)
     print("logs: " + " ".join(str(log_path(cfg.train.log_dir, r.run_id)) for r in runs))
+    if not_compared:
+        print(not_compared, file=sys.stderr)
     if len(good) < len(runs):
         print(f"{len(runs) - len(good)} of {len(runs)} seed(s) failed; no submission.json written", file=sys.stderr)
+        return 1
+    if not_compared:
+        print("no submission.json written (hint: the seeds' logs stay; --reuse with another --baseline compares them "
+              "without running them again)", file=sys.stderr)
         return 1
     try:
         submission = build_submission(a.name, a.github_id, [SeedResult(r.seed, r.final, r.versions, r.world_size)

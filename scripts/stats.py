@@ -60,14 +60,17 @@ def welch_one_sided(baseline: list[float], candidate: list[float], margin: float
     if len(baseline) < 2 or len(candidate) < 2:
         raise ValueError(f"Welch's t-test needs at least 2 runs per side, got {len(baseline)} baseline and "
                          f"{len(candidate)} candidate (hint: run more seeds)")
+    if not all(math.isfinite(v) for v in [*baseline, *candidate]):
+        raise ValueError(f"Welch's t-test needs finite values, got baseline {baseline} and candidate {candidate} "
+                         "(hint: a diverged run has no score to compare)")
     mb, sb = mean_std(baseline)
     mc, sc = mean_std(candidate)
     vb, vc = sb * sb / len(baseline), sc * sc / len(candidate)
-    diff = mb - mc - margin
-    if vb + vc == 0.0:  # identical values on both sides: the sign alone decides
-        return {"t": math.copysign(math.inf, diff), "df": None, "p_value": 0.0 if diff > 0 else 1.0,
-                "method": "exact (no variance)"}
-    t = diff / math.sqrt(vb + vc)
+    if vb + vc == 0.0:  # t and p are undefined; identical runs mean the seed changed nothing, not certainty
+        raise ValueError(f"Welch's t-test needs spread: every run of each side has the same value (baseline {mb!r}, "
+                         f"candidate {mc!r}); hint: check that train.seed reaches the runs (identical runs are not "
+                         "independent samples)")
+    t = (mb - mc - margin) / math.sqrt(vb + vc)
     df = (vb + vc) ** 2 / (vb ** 2 / (len(baseline) - 1) + vc ** 2 / (len(candidate) - 1))
     try:
         from scipy import stats

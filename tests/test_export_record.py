@@ -211,7 +211,7 @@ def test_bad_runs_are_refused_and_nothing_is_written(tiny_seed_runs, tmp_path):
     lines[config] = lines[config].replace('"max_tokens": 0,', '"max_tokens": 1000,')
     subset.write_text("\n".join(lines) + "\n")
     cases = [([unfinished], "unfinished.txt: no `final"), ([over], "over the 16,000,000-byte cap"),
-             ([unscored], "unscored.txt: the run shipped no scored artifact \\(even all-int5 is over\\)"),
+             ([unscored], "unscored.txt: not a scored run within the cap \\(no artifact: even all-int5 is over\\)"),
              ([subset], "subset.txt: scored on the first eval.max_tokens=1000 validation tokens only"),
              ([tiny_seed_runs.logs[0]] * 2, "runs share a seed")]
     for runs, message in cases:

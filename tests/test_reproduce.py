@@ -12,7 +12,8 @@ import pytest
 
 from conftest import REPO, TINY_SEEDS, tiny_run_overrides
 from scripts import reproduce
-from scripts.reproduce import SeedResult, SeedRun, build_submission, significance
+from scripts.record_rule import ComparisonError, Scored, read_baseline, significance
+from scripts.reproduce import SeedResult, SeedRun, build_submission
 from scripts.runlog import parse_log
 from scripts.stats import betainc_regularized, student_t_sf, welch_one_sided
 
@@ -55,17 +56,33 @@ def test_builtin_statistics_match_scipy(monkeypatch):
         assert builtin["p_value"] == pytest.approx(with_scipy["p_value"], rel=1e-8, abs=1e-15)
 
 
+@pytest.mark.filterwarnings("ignore:Precision loss occurred")  # scipy, on the side without spread
 def test_welch_edge_cases():
     with pytest.raises(ValueError, match="at least 2 runs per side"):
         welch_one_sided([1.0], [0.9, 0.8])
-    assert welch_one_sided([2.0, 2.0], [1.0, 1.0], 0.005)["p_value"] == 0.0   # no variance, clearly better
-    assert welch_one_sided([2.0, 2.0], [1.999, 1.999], 0.005)["p_value"] == 1.0  # better, but not by the margin
+    # No spread on either side: t and p are undefined. This used to give p 0 or 1 by the sign of a difference
+    # within rounding of the margin (1 - 0.995 passed it, 2 - 1.995 did not): identical runs say the seed was lost.
+    for base, cand in (([1.0, 1.0], [0.995, 0.995]), ([2.0, 2.0], [1.995, 1.995]), ([2.0, 2.0], [2.0, 2.0])):
+        with pytest.raises(ValueError, match="needs spread: every run of each side has the same value"):
+            welch_one_sided(base, cand, 0.005)
+    assert welch_one_sided([2.0, 2.0], [1.0, 1.1], 0.005)["p_value"] < 0.05  # spread on one side is enough
+    with pytest.raises(ValueError, match="needs finite values"):  # used to fail inside the incomplete beta
+        welch_one_sided([2.0, float("nan")], [1.0, 1.1])
 
 
-def write_final_log(path: Path, run_id: str, val_loss: float) -> Path:
-    final = {"run_id": run_id, "val_loss": val_loss, "val_bpb": val_loss / 1.7, "steps": 10}
-    path.write_text(f"run {run_id}  commit abc  world_size 8  device cuda:0\nfinal {json.dumps(final)}\n")
+def write_final_log(path: Path, run_id: str, val_loss: float, seed: int | None = None, tokens: int = 9_000,
+                    **final_fields) -> Path:
+    """A finished run's log as train.py writes it: the config line (with the seed, when given) and the final line,
+    scored on `tokens` validation tokens."""
+    final = {"run_id": run_id, "val_loss": val_loss, "val_bpb": val_loss / 1.7, "steps": 10, "tokens": tokens,
+             "bytes": 2 * tokens, **final_fields}
+    config = f"config {json.dumps({'train': {'seed': seed}})}\n" if seed is not None else ""
+    path.write_text(f"run {run_id}  commit abc  world_size 8  device cuda:0\n{config}final {json.dumps(final)}\n")
     return path
+
+
+def scored(losses: list[float], tokens: int = 9_000, name: str = "cand") -> list[Scored]:
+    return [Scored(f"{name}-{i}", i, v, tokens, 2 * tokens, f"{name}{i}.txt") for i, v in enumerate(losses)]
 
 
 @pytest.mark.parametrize("candidate, is_record", [
@@ -75,14 +92,67 @@ def write_final_log(path: Path, run_id: str, val_loss: float) -> Path:
 ])
 def test_record_rule_on_synthetic_baseline_logs(tmp_path, candidate, is_record):
     logs = [write_final_log(tmp_path / f"b{i}.txt", f"base-{i}", v) for i, v in enumerate([1.920, 1.9201, 1.9199])]
-    losses, ids = reproduce.baseline_losses([str(p) for p in logs])
-    sig = significance(candidate, losses, ids)
+    sig = significance(scored(candidate), read_baseline([str(p) for p in logs]))
     assert sig["baseline_runs"] == ["base-0", "base-1", "base-2"]
     assert sig["improvement_nats"] == pytest.approx(1.920 - sum(candidate) / 3, abs=1e-12)
     assert sig["is_record"] is is_record
     assert (sig["p_value"] < 0.01) is is_record
     # without the margin each candidate is better on average, so its p is the smaller of the two
     assert sig["any_improvement"]["t"] > sig["t"] and sig["any_improvement"]["p_value"] < sig["p_value"]
+
+
+def test_a_baseline_that_would_fake_or_spoil_the_test_is_refused(tmp_path):
+    """The baseline used to be read for its val_loss alone: a log given three times made a zero-spread baseline and a
+    tiny p; a failed run raised KeyError (no val_loss) or counted (over the cap, NaN); a run of another tokenizer or
+    of a validation subset compared nats per token across different tokens."""
+    def log(name, loss=1.92, seed=None, **fields):
+        return str(write_final_log(tmp_path / f"{name}.txt", name, loss, seed, **fields))
+    a, b = log("a", 1.92, seed=1), log("b", 1.93, seed=2)
+    cases = [
+        ([a, a], "a.txt and .*a.txt: the same log. A repeated run is not an independent sample"),
+        ([a, log("a2", seed=1)], "a2.txt and .*a.txt: the same seed 1"),
+        ([a, log("a3")], None),  # distinct run, no seed logged: accepted
+        ([a, log("x", export_error="even all-int5 is over")], r"x.txt: a failed run \(no artifact: even all-int5"),
+        ([a, log("y", total_bytes=16_000_001)], r"y.txt: a failed run \(over the 16,000,000-byte cap"),
+        ([a, log("z", fits_cap=False)], r"z.txt: a failed run \(over its config's quant.cap_bytes"),
+        ([a, log("nan", float("nan"))], r"nan.txt: a failed run \(val_loss is nan, not a finite number"),
+        ([a, log("fewer", tokens=8_000)], "the baseline's runs scored different validation data: .*a.txt 9,000 tokens "
+                                          "/ 18,000 bytes, .*fewer.txt 8,000 / 16,000"),
+    ]
+    for paths, refusal in cases:
+        if refusal is None:
+            assert len(read_baseline(paths)) == 2
+            continue
+        with pytest.raises(ComparisonError, match=refusal):
+            read_baseline(paths)
+    unscored = tmp_path / "old.txt"  # a final line without what it scored
+    unscored.write_text(f"final {json.dumps({'run_id': 'old', 'val_loss': 1.9, 'val_bpb': 1.1})}\n")
+    with pytest.raises(ComparisonError, match="old.txt: its final line has no validation `tokens`/`bytes`"):
+        read_baseline([a, str(unscored)])
+    missing = tmp_path / "missing.txt"
+    missing.write_text(f"final {json.dumps({'run_id': 'm', 'val_bpb': 1.1})}\n")
+    with pytest.raises(ComparisonError, match=r"missing.txt: a failed run \(no val_loss in its final line"):
+        read_baseline([a, str(missing)])
+    # what the log's config says: another tokenizer (refused before any seed runs), a validation subset
+    other = tmp_path / "sp8192.txt"
+    other.write_text(f"config {json.dumps({'model': {'vocab_size': 8192}, 'train': {'seed': 5}})}\n"
+                     + Path(b).read_text().splitlines()[-1] + "\n")
+    with pytest.raises(ComparisonError, match="sp8192.txt: model.vocab_size=8192, this command's is 1024"):
+        read_baseline([a, str(other)], vocab_size=1024)
+    subset = tmp_path / "subset.txt"
+    subset.write_text(f"config {json.dumps({'eval': {'max_tokens': 1000}, 'train': {'seed': 6}})}\n"
+                      + Path(b).read_text().splitlines()[-1] + "\n")
+    with pytest.raises(ComparisonError, match="subset.txt: scored on the first eval.max_tokens=1000 validation"):
+        read_baseline([a, str(subset)])
+
+
+def test_significance_refuses_runs_scored_on_other_tokens_or_on_both_sides(tmp_path):
+    base = scored([1.92, 1.93], name="base")
+    with pytest.raises(ComparisonError, match="the candidate and the baseline scored different validation data"):
+        significance(scored([1.90, 1.91], tokens=8_000), base)
+    with pytest.raises(ComparisonError, match="run base-1 is on both sides of the comparison"):
+        significance([*scored([1.90]), base[1]], base)
+    assert significance(scored([1.90, 1.91]), base)["validation_tokens"] == 9_000
 
 
 # ----- submission.json -----
@@ -143,10 +213,11 @@ def test_the_kept_h100_logs_make_one_submission(name):
 def test_the_kept_layouts_compare_as_reproduce_reported():
     """The shipped layout against the plain residual, as `reproduce --baseline` printed on the H100: 0.00052
     nats worse in mean val_loss, far from the record rule's 0.005 (Welch t -2.364, p 0.961)."""
-    baseline, ids = reproduce.baseline_losses([str(p) for p in kept_gpu_log_paths("n1")])
-    candidate, _ = reproduce.baseline_losses([str(p) for p in kept_gpu_log_paths("n2k3")])
-    sig = significance(candidate, baseline, ids)
-    assert ids == ["n1-s1337", "n1-s42", "n1-s2025"] and not sig["is_record"]
+    baseline = read_baseline([str(p) for p in kept_gpu_log_paths("n1")], vocab_size=1024)
+    candidate = read_baseline([str(p) for p in kept_gpu_log_paths("n2k3")])
+    sig = significance(candidate, baseline)
+    assert sig["baseline_runs"] == ["n1-s1337", "n1-s42", "n1-s2025"] and not sig["is_record"]
+    assert (sig["validation_tokens"], sig["validation_bytes"]) == (392_053, 959_913)  # dev_val, both sides
     assert sig["improvement_nats"] == pytest.approx(-0.000517, abs=1e-6)
     assert sig["t"] == pytest.approx(-2.364, abs=1e-3) and sig["p_value"] == pytest.approx(0.961, abs=1e-3)
     # and no gain at all: the README's t -0.22 (p 0.58) for "any improvement"
@@ -163,6 +234,8 @@ def test_seed_run_problems():
     assert SeedRun(1, "r", [], returncode=0).problem() == "no final JSON line with val_bpb on stdout"
     no_artifact = {"export_error": "even all-int5 is over the budget", "fits_cap": False, "code_bytes": 1}
     assert SeedRun(1, "r", [], 1, no_artifact).problem() == "no artifact: even all-int5 is over the budget"
+    diverged = final(1, float("nan"), 15_000_000)  # train.py writes NaN into its JSON line; it used to count as ok
+    assert SeedRun(1, "r", [], 0, diverged).problem() == "val_loss is nan, not a finite number"
 
 
 # ----- commands -----
@@ -248,10 +321,12 @@ def test_baseline_comparison_from_real_logs(tiny_seed_runs, tmp_path, capsys):
     4-step run differ by under 0.1 nat, asserted, well inside what the t-test tolerates at 2 runs)."""
     losses = [parse_log(p).require_final()["val_loss"] for p in tiny_seed_runs.logs]
     assert abs(losses[0] - losses[1]) < 0.1
-    base = [write_final_log(tmp_path / f"b{i}.txt", f"b{i}", v + 1.0) for i, v in enumerate(losses)]
-    sig = significance(losses, *reproduce.baseline_losses([str(p) for p in base]))
+    finals = [parse_log(p).require_final() for p in tiny_seed_runs.logs]
+    base = [write_final_log(tmp_path / f"b{i}.txt", f"b{i}", v + 1.0, tokens=finals[0]["tokens"],
+                            bytes=finals[0]["bytes"]) for i, v in enumerate(losses)]
+    runs = [SeedRun(s, f"tiny-run-s{s}", [], 0, f) for s, f in zip(TINY_SEEDS, finals)]
+    sig = significance([r.scored() for r in runs], read_baseline([str(p) for p in base]))
     assert sig["improvement_nats"] == pytest.approx(1.0, abs=1e-9) and sig["is_record"]
-    runs = [SeedRun(s, f"tiny-run-s{s}", [], 0, parse_log(p).final) for s, p in zip(TINY_SEEDS, tiny_seed_runs.logs)]
     reproduce.print_summary(runs, sig)
     out = capsys.readouterr().out
     assert "RECORD" in out and "val_bpb: mean" in out and "tiny-run-s7" in out
@@ -313,6 +388,37 @@ def test_reuse_reads_finished_seeds_back_and_runs_only_the_others(tiny_seed_runs
     assert ran == [9] and sub["seeds"] == [*TINY_SEEDS, 9]
     assert [sub["seed_results"][str(s)]["val_bpb"] for s in TINY_SEEDS] == \
         [tiny_seed_runs.submission["seed_results"][str(s)]["val_bpb"] for s in TINY_SEEDS]
+
+
+def test_a_comparison_that_cannot_be_made_writes_no_submission(tiny_seed_runs, demo_dir, tmp_path, monkeypatch,
+                                                               capsys):
+    """A baseline scored on other validation data is found once the seeds have run: no verdict and no
+    submission.json, and the hint says how to compare the same seeds again without running them. A validation
+    subset, and a seed that failed, give no verdict either (the test used to run on the seeds that survived)."""
+    no_run(monkeypatch)
+    finals = [parse_log(p).require_final() for p in tiny_seed_runs.logs]
+    base = [str(write_final_log(tmp_path / f"b{i}.txt", f"b{i}", f["val_loss"] + 1, seed=100 + i,
+                                tokens=f["tokens"] - 1, bytes=f["bytes"])) for i, f in enumerate(finals)]
+    assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
+                                    "--baseline", *base)) == 1
+    err = capsys.readouterr().err
+    assert "not compared with the baseline: the candidate and the baseline scored different validation data" in err
+    assert "--reuse with another --baseline compares them without running them again" in err
+    assert not (tmp_path / "sub").exists()
+    with pytest.raises(SystemExit, match="eval.max_tokens=1000 scores the first tokens of the validation set only"):
+        reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
+                                 overrides=["eval.max_tokens=1000"]))
+
+    def failed(run):
+        run.returncode = 1
+        return run
+    monkeypatch.setattr(reproduce, "run_seed", failed)
+    good = [str(write_final_log(tmp_path / f"g{i}.txt", f"g{i}", f["val_loss"] + 1, seed=200 + i, tokens=f["tokens"],
+                                bytes=f["bytes"])) for i, f in enumerate(finals)]
+    assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, (*TINY_SEEDS, 9), tmp_path / "sub", "--reuse",
+                                    "--baseline", *good)) == 1
+    captured = capsys.readouterr()
+    assert "not compared with the baseline: 1 of 3 seed(s) failed" in captured.err and "RECORD" not in captured.out
 
 
 def test_reuse_refuses_the_log_of_another_config(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
