@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import lzma
+import math
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,7 @@ ARRAY_DTYPES = ("float16", "float32", "int32", "int64", "bool")
 _PREFIX = struct.Struct("<8sIIQ")
 _HASH_LEN = 32
 MAX_HEADER_BYTES = 16 << 20  # a decompressed header larger than this is refused (a forged file cannot balloon)
+MAX_RAW_BYTES = 256 << 20    # nor can the tensors: 16 MB of artifact holds about 25 MB of quantized weights
 
 
 class ArtifactError(ValueError):
@@ -63,6 +65,9 @@ def _brotli():
     except ImportError as exc:  # the GPU machines may lack it: say what to do instead
         raise CodecUnavailable("the brotli module is not installed; hint: `pip install brotli` (it writes and "
                                "reads the artifacts)") from exc
+    if not hasattr(brotli.Decompressor(), "can_accept_more_data"):  # 1.2 bounds the output
+        raise CodecUnavailable(f"brotli {getattr(brotli, '__version__', '?')} cannot bound its output; hint: "
+                               "`pip install -U 'brotli>=1.2'` (reading an artifact stops at each tensor's size)")
     return brotli
 
 
@@ -80,12 +85,31 @@ def compress(data: bytes, codec: str) -> bytes:
     raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
 
 
-def decompress(data: bytes, codec: str) -> bytes:
+def decompress(data: bytes, codec: str, size: int) -> bytes:
+    """`data` decompressed, which must be exactly `size` bytes: the output stops growing soon past `size`, so a
+    forged chunk cannot balloon in memory (a 1.6 KB brotli chunk can hold 1 GiB of zeros). ValueError otherwise."""
     if codec == "brotli":
-        return _brotli().decompress(data)
-    if codec == "lzma":
-        return lzma.decompress(data)
-    raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+        brotli = _brotli()
+        decoder = brotli.Decompressor()
+        try:
+            raw = decoder.process(data, output_buffer_limit=size + 1)
+        except brotli.error as exc:
+            raise ValueError(f"not a brotli stream ({exc})") from None
+        done = decoder.is_finished()
+    elif codec == "lzma":
+        decoder = lzma.LZMADecompressor()
+        try:
+            raw = decoder.decompress(data, max_length=size + 1)
+        except lzma.LZMAError as exc:
+            raise ValueError(f"not an xz/lzma stream ({exc})") from None
+        done = decoder.eof and not decoder.unused_data
+    else:
+        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+    if len(raw) > size:
+        raise ValueError(f"decompresses to more than the {size} bytes declared")
+    if not done or len(raw) != size:
+        raise ValueError(f"decompressed to {len(raw)} bytes, expected {size} (cut short or followed by stray bytes)")
+    return raw
 
 
 # -- writing ------------------------------------------------------------------------------------------
@@ -176,36 +200,32 @@ def save_artifact(path: str | os.PathLike, meta: dict, quantized: dict, codec: s
 
 # -- reading ------------------------------------------------------------------------------------------
 
-def load_artifact(path: str | os.PathLike, stored: bool = False) -> tuple[dict, dict]:
+def load_artifact(path: str | os.PathLike, stored: bool = False, expect=None) -> tuple[dict, dict]:
     """(meta, tensors): float tensors dequantized to fp32, ready for model.load_state_dict; or with
     stored=True the values as stored (QuantizedTensor codes + scales, numpy arrays), for tools that
-    study the payload itself (scripts/bench_compress.py --artifact)."""
+    study the payload itself (scripts/bench_compress.py --artifact). expect(meta, entries), when given, runs
+    on the verified header before any tensor is decompressed (scripts/evaluate.py matches it to the model)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such artifact (hint: train.py writes <train.out_dir>/<run_id>.mhcg)")
     with open(path, "rb") as f:
         data = f.read()
-    return parse_artifact(data, os.fspath(path), stored)
+    return parse_artifact(data, os.fspath(path), stored, expect)
 
 
-def parse_artifact(data: bytes, path: str, stored: bool = False) -> tuple[dict, dict]:
+def parse_artifact(data: bytes, path: str, stored: bool = False, expect=None) -> tuple[dict, dict]:
     """load_artifact on the file's bytes (`path` names them in errors): to check an artifact before it is
     written over an older one."""
     header, payload = _verified_parts(path, data)
-    codec = header["codec"]
+    if expect is not None:
+        expect(header["meta"], header["tensors"])
     tensors = {}
     for entry in header["tensors"]:
         chunk = payload[entry["offset"]:entry["offset"] + entry["nbytes"]]
         try:
-            raw = decompress(chunk, codec)
-            if len(raw) != entry["raw_nbytes"]:
-                raise ValueError(f"decompressed to {len(raw)} bytes, expected {entry['raw_nbytes']}")
+            raw = decompress(chunk, header["codec"], entry["raw_nbytes"])
             tensors[entry["name"]] = _decode_entry(entry, raw, stored)
-        except (ValueError, lzma.LZMAError) as exc:
+        except ValueError as exc:
             raise ArtifactError(f"{path}: tensor {entry['name']!r} is invalid: {exc}") from exc
-        except CodecUnavailable:  # this machine's lack, not the file's
-            raise
-        except Exception as exc:  # brotli.error has no stable import path across versions
-            raise ArtifactError(f"{path}: tensor {entry['name']!r} does not decompress with {codec}: {exc}") from exc
     return header["meta"], tensors
 
 
@@ -228,8 +248,8 @@ def _verified_parts(path: str, data: bytes) -> tuple[dict, bytes]:
                             f"the file records {digest.hex()} (corrupted file)")
     try:
         header = json.loads(_decompress_header(path, body[_PREFIX.size:_PREFIX.size + header_len]).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ArtifactError(f"{path}: header is not valid JSON: {exc}") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: [[[[...
+        raise ArtifactError(f"{path}: header is not valid JSON: {exc}") from None
     payload = body[_PREFIX.size + header_len:]
     _check_header(path, header, len(payload))
     return header, payload
@@ -271,16 +291,21 @@ def _check_header(path: str, header, payload_len: int) -> None:
             bad(f"tensor {entry['name']!r}: raw_nbytes or its kind/bits/layout/dtype/scale_offset are inconsistent")
     if offset != payload_len:
         bad(f"chunks cover {offset} bytes but the payload has {payload_len}")
+    declared = sum(entry["raw_nbytes"] for entry in header["tensors"])
+    if declared > MAX_RAW_BYTES:
+        bad(f"its tensors declare {declared:,} bytes, more than the {MAX_RAW_BYTES:,} any artifact under the cap "
+            "expands to (quantized weights compress about 1.5x)")
 
 
 def _expected_raw_nbytes(entry: dict) -> int | None:
     shape = entry["shape"]
-    count = int(np.prod(shape)) if shape else 1
+    count = math.prod(shape)  # Python integers: np.prod wraps around at 2**63 (a [2**62, 4] shape made 0)
     if entry.get("kind") == "quant":
-        if len(shape) != 2 or entry.get("bits") not in WIDTHS or entry.get("layout") not in LAYOUTS:
+        if len(shape) != 2 or type(entry.get("bits")) is not int or entry["bits"] not in WIDTHS \
+                or entry.get("layout") not in LAYOUTS or type(entry.get("scale_offset")) is not int:
             return None
         codes = encoded_codes_size(count, entry["bits"], entry["layout"])
-        return codes + 2 * shape[0] if entry.get("scale_offset") == codes else None
+        return codes + 2 * shape[0] if entry["scale_offset"] == codes else None
     if entry.get("kind") == "array" and entry.get("dtype") in ARRAY_DTYPES:
         return count * np.dtype(entry["dtype"]).itemsize
     return None

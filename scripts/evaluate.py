@@ -25,30 +25,73 @@ from data.shards import ShardError, list_shards  # noqa: E402
 from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256, load_sp  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.gpt import GPT  # noqa: E402
-from quant.container import ArtifactError, CodecUnavailable, load_artifact  # noqa: E402
+from quant.container import ArtifactError, CodecUnavailable, check_meta, load_artifact  # noqa: E402
 from quant.size import check_total, code_bytes  # noqa: E402
 from training.config import EVAL_RECORDED, EvalConfig  # noqa: E402
 from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit  # noqa: E402
 
 
 def load_model(artifact: Path, device: torch.device) -> tuple[GPT, dict]:
-    """Rebuild the model from the artifact's own config and dequantized weights (no pickle)."""
-    meta, state = load_artifact(artifact)
-    # The attention backend computes the same function either way: "auto" lets an artifact trained with
-    # FlashAttention 3 be scored where it is not installed.
-    model = GPT(ModelConfig(**{**meta["model_config"], "attention": "auto"}))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ArtifactError(f"{artifact}: tensors do not match the model config: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]} (hint: artifact written by another code version?)")
+    """Rebuild the model from the artifact's own config and dequantized weights (no pickle). The config is
+    checked, and the model's tensors matched by name, shape and kind to the header, before anything is
+    decompressed or allocated: a damaged or forged file fails with one line naming what is wrong."""
+    configs = []
+
+    def match_model(meta: dict, entries: list[dict]) -> None:
+        configs.append(model_config(artifact, meta))
+        with torch.device("meta"):  # shapes only, no memory
+            expected = GPT(configs[0]).state_dict()
+        stored = {e["name"]: e for e in entries}
+        missing, unexpected = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
+        if missing or unexpected:
+            raise ArtifactError(f"{artifact}: tensors do not match the model config: missing {missing[:5]}, "
+                                f"unexpected {unexpected[:5]} (hint: artifact written by another code version?)")
+        for name, tensor in expected.items():
+            entry, floating = stored[name], tensor.is_floating_point()
+            kind = "float" if entry["kind"] == "quant" or entry.get("dtype", "").startswith("float") else entry["dtype"]
+            if list(tensor.shape) != entry["shape"] or (kind == "float") != floating \
+                    or not (floating or kind == str(tensor.dtype).removeprefix("torch.")):
+                raise ArtifactError(f"{artifact}: tensor {name!r} is stored as {kind} {entry['shape']}, the model "
+                                    f"config makes it {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}")
+
+    meta, state = load_artifact(artifact, expect=match_model)
+    model = GPT(configs[0])
+    model.load_state_dict(state)
     return model.to(device), meta
 
 
-def recorded_eval(meta: dict, **given: int | None) -> EvalConfig:
+def model_config(artifact: Path, meta: dict) -> ModelConfig:
+    """The artifact's model config, checked: known keys, each of its field's type, values the model can build.
+    The attention backend computes the same function either way: "auto" lets an artifact trained with
+    FlashAttention 3 be scored where it is not installed."""
+    try:
+        check_meta(meta)
+        given = {**meta["model_config"], "attention": "auto"}
+        default = ModelConfig()
+        for key, value in given.items():
+            if not hasattr(default, key):
+                raise ValueError(f"unknown key {key!r}")
+            want = type(getattr(default, key))
+            if not (type(value) is want or (want is float and type(value) is int)):
+                raise ValueError(f"{key}={value!r} is not of type {want.__name__}")
+        config = ModelConfig(**given)
+        config.validate()
+        return config
+    except (TypeError, ValueError) as e:
+        raise ArtifactError(f"{artifact}: its model config cannot build a model: {e} (hint: a damaged artifact, "
+                            "or one written by another code version)") from None
+
+
+def recorded_eval(meta: dict, source: str | Path = "the artifact", **given: int | None) -> EvalConfig:
     """How the run scored itself (the meta's eval_context, eval_stride, eval_max_tokens, eval_batch_seqs), under
-    any value `given` that is not None. Artifacts written before these were recorded get EvalConfig's defaults."""
+    any value `given` that is not None. Artifacts written before these were recorded get EvalConfig's defaults.
+    `source` names the artifact in errors."""
     default = EvalConfig()
     recorded = {key: meta.get(f"eval_{key}", getattr(default, key)) for key in EVAL_RECORDED}
+    wrong = [key for key, value in recorded.items() if type(value) is not int]
+    if wrong:
+        raise ArtifactError(f"{source}: its meta records eval_{wrong[0]}={recorded[wrong[0]]!r}, not an integer "
+                            "(hint: a damaged artifact; --context/--stride/--max-tokens/--batch-seqs set them)")
     settings = {**recorded, **{key: value for key, value in given.items() if value is not None}}
     return EvalConfig(**settings)
 
@@ -117,7 +160,7 @@ def score(a: argparse.Namespace, p: argparse.ArgumentParser, device: torch.devic
     pattern = str(Path(a.val) / "fineweb_val_*.bin") if Path(a.val).is_dir() else a.val
     shards, sp = list_shards(pattern), load_sp(a.tokenizer)
     model, meta = load_model(Path(a.artifact), device)
-    eval_cfg = recorded_eval(meta, context=a.context, stride=a.stride, max_tokens=a.max_tokens,
+    eval_cfg = recorded_eval(meta, a.artifact, context=a.context, stride=a.stride, max_tokens=a.max_tokens,
                              batch_seqs=a.batch_seqs)
     try:
         eval_cfg.validate()

@@ -132,6 +132,68 @@ def test_artifact_trained_with_fa3_loads_where_fa3_is_missing(tmp_path, monkeypa
     assert loaded.cfg.attention == "auto" and all(a.body.fa3 is None for a in loaded.sublayers[::2])
 
 
+def rewritten(path: Path, out: Path, edit) -> Path:
+    """The artifact at `path` with its header edited by `edit(header)` and the sha256 recomputed: a forged file."""
+    import hashlib
+    import json
+    import lzma
+    import struct
+    data = path.read_bytes()
+    header_len, payload_len = struct.unpack_from("<IQ", data, 12)
+    header = json.loads(lzma.decompress(data[24:24 + header_len]))
+    edit(header)
+    packed = lzma.compress(json.dumps(header).encode())
+    body = data[:12] + struct.pack("<IQ", len(packed), payload_len) + packed + data[24 + header_len:-32]
+    out.write_bytes(body + hashlib.sha256(body).digest())
+    return out
+
+
+def test_a_model_config_the_artifact_cannot_hold_is_refused_before_loading(tmp_path):
+    """The artifact's model config used to be trusted: a missing or unknown key, or a wrong type, was a KeyError or
+    TypeError traceback; a config whose shapes differ from the tensors failed in load_state_dict, after building the
+    model (vocab_size=2**27 tried to allocate 16 GiB first); a float tensor relabelled int32 loaded and scored
+    wrongly. Each is now one ArtifactError naming the file, raised before a tensor is decompressed."""
+    import dataclasses
+
+    from model.config import ModelConfig
+    from model.gpt import GPT
+    from quant.container import ArtifactError
+    from quant.export import export_artifact
+    from scripts.evaluate import load_model, recorded_eval
+    cfg = ModelConfig(vocab_size=64, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, n_streams=2)
+    good = tmp_path / "good.mhcg"
+    export_artifact(GPT(cfg), [torch.randint(0, 64, (2, 16))], str(good), {"model_config": dataclasses.asdict(cfg),
+                    "tokenizer_sha256": "0" * 64}, 10**7, log=lambda _: None, observed_patterns=("mhc.*.phi",))
+    gain = next(name for name in GPT(cfg).state_dict() if name.endswith("q_gain"))  # [n_heads], stored as float32
+
+    def set_config(**changes):
+        return lambda h: h["meta"]["model_config"].update(changes)
+
+    def relabel(h):
+        entry = next(e for e in h["tensors"] if e["name"] == gain)
+        assert entry["dtype"] == "float32"
+        entry["dtype"] = "int32"
+    cases = {
+        "no_config": (lambda h: h["meta"].pop("model_config"), "model config cannot build a model: artifact meta "
+                                                              "needs 'model_config'"),
+        "unknown": (set_config(foo=1), "model config cannot build a model: unknown key 'foo'"),
+        "as_text": (set_config(n_layers="1"), "n_layers='1' is not of type int"),
+        "invalid": (set_config(n_layers=0), "model.n_layers=0 must be >= 1"),
+        "heads": (set_config(n_heads=8), rf"tensor '{gain}' is stored as float \[4\], the model config makes it "
+                                         r"float32 \[8\]"),
+        "vocab": (set_config(vocab_size=2 ** 27), r"stored as float \[64, 32\], the model config makes it float32 "
+                                                  r"\[134217728, 32\]"),
+        "relabelled": (relabel, rf"tensor '{gain}' is stored as int32 \[4\], the model config makes it float32"),
+        "extra": (lambda h: h["tensors"][-1].update(name="x.weight"), "tensors do not match the model config"),
+    }
+    for name, (edit, message) in cases.items():
+        with pytest.raises(ArtifactError, match=rf"{name}.mhcg: .*{message}"):
+            load_model(rewritten(good, tmp_path / f"{name}.mhcg", edit), torch.device("cpu"))
+    model, meta = load_model(good, torch.device("cpu"))
+    with pytest.raises(ArtifactError, match=r"a.mhcg: its meta records eval_context='32', not an integer"):
+        recorded_eval({**meta, "eval_context": "32"}, "a.mhcg")
+
+
 def test_scoring_defaults_to_what_the_run_recorded():
     """scripts.evaluate's --context/--stride/--max-tokens default to the artifact's eval_* values; a value
     given always wins (0 included); artifacts written before the record get EvalConfig's defaults."""

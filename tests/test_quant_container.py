@@ -1,6 +1,7 @@
 """Artifact container: bit-exact round trip, integrity checks, atomic writes, no pickle."""
 import ast
 import hashlib
+import json
 import lzma
 import struct
 import sys
@@ -161,6 +162,50 @@ def test_consistently_tampered_header_is_refused(tmp_path, tiny):
         (tmp_path / name).write_bytes(data)
         with pytest.raises(ArtifactError, match=message):
             load_artifact(tmp_path / name)
+
+
+def artifact_of(tensors: list[tuple[dict, bytes]], codec: str = "brotli", header_text: bytes | None = None) -> bytes:
+    """An artifact assembled by hand from (entry, chunk) pairs, with a valid sha256: what a forger can write."""
+    entries, payload = [], b""
+    for entry, chunk in tensors:
+        entries.append({**entry, "offset": len(payload), "nbytes": len(chunk)})
+        payload += chunk
+    header = lzma.compress(header_text if header_text is not None else
+                           json.dumps({"codec": codec, "meta": META, "tensors": entries}).encode())
+    return rehash(struct.pack("<8sIIQ", MAGIC, FORMAT_VERSION, len(header), len(payload)) + header + payload)
+
+
+def test_a_forged_file_cannot_balloon_or_slip_through(tmp_path):
+    """Found by a review, each with a valid sha256: a small chunk that decompresses to 64 MiB for a tensor declared
+    at 128 bytes (decompressed whole before the size was compared); tensors declared at gigabytes; a shape whose
+    element count wraps around in int64 (np.prod gave 0); a header nested 200,000 deep (RecursionError traceback);
+    bits 6.0 where an integer belongs (accepted, then failed as "does not decompress")."""
+    import brotli
+    gain = {"name": "gain", "kind": "array", "shape": [32], "dtype": "float32", "raw_nbytes": 128}
+    zeros = b"\0" * (64 << 20)
+    quant = {"name": "w", "kind": "quant", "shape": [4, 8], "bits": 6.0, "layout": "byte", "scale_offset": 32,
+             "raw_nbytes": 40}
+    cases = {
+        "bomb_brotli": (artifact_of([(gain, brotli.compress(zeros, quality=1))]),
+                        "tensor 'gain' is invalid: decompresses to more than the 128 bytes declared"),
+        "bomb_lzma": (artifact_of([(gain, lzma.compress(zeros, preset=0))], codec="lzma"),
+                      "tensor 'gain' is invalid: decompresses to more than the 128 bytes declared"),
+        "cut": (artifact_of([(gain, brotli.compress(b"\1" * 128)[:-2])]), "decompressed to 0 bytes, expected 128"),
+        "stray": (artifact_of([(gain, lzma.compress(b"\1" * 128) + b"\0")], codec="lzma"),
+                  "decompressed to 128 bytes, expected 128 \\(cut short or followed by stray bytes\\)"),
+        "huge": (artifact_of([({**gain, "shape": [20000, 20000], "raw_nbytes": 1_600_000_000}, b"")]),
+                 "its tensors declare 1,600,000,000 bytes, more than the 268,435,456"),
+        "wrap": (artifact_of([({**gain, "shape": [2 ** 62, 4], "raw_nbytes": 0}, b"")]), "inconsistent"),
+        "nested": (artifact_of([], header_text=b"[" * 200_000), "header is not valid JSON"),
+        "float_bits": (artifact_of([(quant, brotli.compress(b"\0" * 40))]), "tensor 'w': raw_nbytes or its kind/bits"),
+    }
+    for name, (data, message) in cases.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ArtifactError, match=message):
+            load_artifact(tmp_path / name)
+    ok = artifact_of([(gain, brotli.compress(np.arange(32, dtype="<f4").tobytes()))])
+    (tmp_path / "ok").write_bytes(ok)
+    assert load_artifact(tmp_path / "ok")[1]["gain"].tolist() == list(range(32))  # the hand-made file is sound
 
 
 def test_meta_and_tensor_validation(tiny):
