@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 import torch.distributed
 
 from data.loader import TokenLoader, load_tokens
-from data.shards import ShardError, list_shards
+from data.shards import ShardError, list_shards, require_disjoint
 from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256, load_sp
 from model.gpt import GPT
 from quant.container import ArtifactError, CodecUnavailable, require_codec
@@ -137,11 +136,7 @@ def load_validation(cfg: Config, train_files: list[str], rank: int) -> Validatio
     """The validation tokens (none of them in `train_files`) and the tokenizer's byte table, with the byte
     accounting audited on rank 0, and the source entropy of the demo corpus."""
     val_files = list_shards(cfg.data.val_files)
-    shared = sorted({os.path.realpath(f) for f in train_files} & {os.path.realpath(f) for f in val_files})
-    if shared:  # a score on text the model trained on is no validation score
-        raise ConfigError(f"{shared[0]} is both a training and a validation shard ({len(shared)} shared; hint: "
-                          "data.train_files and data.val_files must match different files, e.g. fineweb_train_*.bin "
-                          "and fineweb_val_*.bin)")
+    require_disjoint(train_files, val_files)
     val_tokens = load_tokens(val_files, cfg.eval.max_tokens)
     lut = build_byte_lut(cfg.data.tokenizer)
     if len(lut.base_bytes) != cfg.model.vocab_size:

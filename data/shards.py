@@ -7,6 +7,7 @@ tokens; there is no EOS. A document may continue into the next shard.
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 from pathlib import Path
 
@@ -96,6 +97,34 @@ def list_shards(pattern: str) -> list[str]:
                                 "FineWeb or `python -m data.demo --out DIR` for the demo corpus, and check the "
                                 "path is relative to the directory you run from)")
     return files
+
+
+def require_disjoint(train_files: list[str], val_files: list[str]) -> None:
+    """ShardError when a training shard is a validation shard: the same file under any name (a symlink or hard
+    link included), or an identical copy. A score on text the model trained on is no validation score, and GPTQ
+    calibration reads the training shards as well. Only files of equal size are hashed."""
+    def same(kind: str, train: str, val: str):
+        raise ShardError(f"{train} is the validation shard {val} ({kind}; hint: data.train_files and data.val_files "
+                         "must match different data, e.g. fineweb_train_*.bin and fineweb_val_*.bin)")
+    inodes = {(st.st_dev, st.st_ino): f for f in val_files for st in [os.stat(f)]}
+    for f in train_files:
+        st = os.stat(f)
+        if (st.st_dev, st.st_ino) in inodes:
+            same("the same file", f, inodes[st.st_dev, st.st_ino])
+    digests: dict[str, bytes] = {}
+
+    def digest(path: str) -> bytes:
+        if path not in digests:
+            with open(path, "rb") as fh:
+                digests[path] = hashlib.file_digest(fh, "sha256").digest()
+        return digests[path]
+    sizes = {}
+    for f in val_files:
+        sizes.setdefault(os.path.getsize(f), []).append(f)
+    for f in train_files:
+        for v in sizes.get(os.path.getsize(f), ()):
+            if digest(f) == digest(v):
+                same("an identical copy", f, v)
 
 
 def count_documents(tokens: np.ndarray, chunk: int = 1 << 24) -> int:

@@ -29,14 +29,14 @@ if str(REPO) not in sys.path:
 
 from data.files import write_atomic  # noqa: E402
 from data.loader import load_tokens  # noqa: E402
-from data.shards import list_shards  # noqa: E402
-from data.tokenizer import build_byte_lut, file_sha256  # noqa: E402
+from data.shards import ShardError, list_shards, require_disjoint  # noqa: E402
+from data.tokenizer import TokenizerError, build_byte_lut, file_sha256, load_sp  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from scripts.ablate import parse_variant, split_common  # noqa: E402
 from scripts.evaluate import evaluate_artifact  # noqa: E402
 from training.config import ConfigError, load_config, to_dict  # noqa: E402
 from training.distributed import init_distributed  # noqa: E402
-from training.evaluate import evaluate_bpb  # noqa: E402
+from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit  # noqa: E402
 from training.export import export_model  # noqa: E402
 
 
@@ -108,12 +108,18 @@ def main(argv=None) -> int:
     variants = [parse_variant(text) for text in args.variant]
     configs = check_variants(args.config, common, variants)
     cfg = load_config(args.config, common)
+    try:  # as train.py checks them: calibration reads no validation shard, BPB counts the decoded bytes
+        train_files, val_files = list_shards(cfg.data.train_files), list_shards(cfg.data.val_files)
+        require_disjoint(train_files, val_files)
+        val_tokens = load_tokens(val_files, cfg.eval.max_tokens)
+        lut = build_byte_lut(cfg.data.tokenizer)
+        require_byte_audit(val_tokens, load_sp(cfg.data.tokenizer), lut, cfg.data.val_files, cfg.data.tokenizer)
+    except (ShardError, FileNotFoundError, TokenizerError, ByteAuditError) as e:
+        raise SystemExit(f"bench_quant: {e}") from None
     device = init_distributed(cfg.train.device).device  # one process; train.device=cuda without a GPU is an error
     model = GPT(cfg.model)
     source = load_weights(args.checkpoint, model)
     model.to(device)
-    val_tokens = load_tokens(list_shards(cfg.data.val_files), cfg.eval.max_tokens)
-    lut = build_byte_lut(cfg.data.tokenizer)
     amp = torch.bfloat16 if device.type == "cuda" else None
     pre = evaluate_bpb(model, val_tokens, lut, context=cfg.eval.context, stride=cfg.eval.stride,
                        batch_seqs=cfg.eval.batch_seqs, device=device, autocast_dtype=amp)
@@ -126,7 +132,7 @@ def main(argv=None) -> int:
             vcfg = configs[v.name]
             artifact = out_dir / f"{v.name}.mhcg"
             t0 = time.perf_counter()
-            report = export_model(vcfg, model, train_files=list_shards(vcfg.data.train_files), rank=0, world_size=1,
+            report = export_model(vcfg, model, train_files=train_files, rank=0, world_size=1,
                                   log=lambda line: None, artifact_path=artifact, tokenizer_sha256=sha, device=device)
             seconds = time.perf_counter() - t0
             if "export_error" in report:

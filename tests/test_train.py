@@ -1,6 +1,7 @@
 """End to end on CPU: train.py on a tiny demo corpus; distributed steps equal single-process steps."""
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import FakeWandb
+from data.shards import ShardError
 from model.gpt import GPT
 from quant.container import load_artifact
 from training.config import ConfigError, load_config
@@ -205,9 +207,28 @@ def test_periodic_evaluation_does_not_feed_back_into_training(demo_dir, tmp_path
 def test_validation_shards_that_are_also_training_shards_are_refused(demo_dir, tmp_path):
     import train
     overrides = [o for o in tiny_overrides(demo_dir, tmp_path) if not o.startswith("data.val_files=")]
-    with pytest.raises(ConfigError, match=r"fineweb_train_000000.bin is both a training and a validation shard"):
+    with pytest.raises(ShardError, match=r"fineweb_train_000000.bin is the validation shard .*fineweb_train_000000"
+                                         r".bin \(the same file; hint: data.train_files and data.val_files"):
         train.main(["--config", str(REPO / "configs/demo.toml"), *overrides,
                     f"data.val_files={demo_dir}/fineweb_*_000000.bin"])
+
+
+@pytest.mark.parametrize("link, kind", [(os.link, "the same file"), (os.symlink, "the same file"),
+                                        (shutil.copyfile, "an identical copy")], ids=["hard_link", "symlink", "copy"])
+def test_a_validation_shard_under_another_name_is_refused(demo_dir, tmp_path, link, kind):
+    """The check compared real paths: a hard link to the validation shard, or a copy of it, among the training
+    shards passed (found by a review). Training and calibration would have read validation text."""
+    import train
+    train_dir = tmp_path / "train"
+    train_dir.mkdir()
+    for shard in demo_dir.glob("fineweb_train_*.bin"):
+        os.symlink(shard, train_dir / shard.name)
+    val = next(demo_dir.glob("fineweb_val_*.bin"))
+    link(val, train_dir / "fineweb_train_999999.bin")
+    overrides = [o for o in tiny_overrides(demo_dir, tmp_path) if not o.startswith("data.train_files=")]
+    with pytest.raises(ShardError, match=rf"fineweb_train_999999.bin is the validation shard {val} \({kind};"):
+        train.main(["--config", str(REPO / "configs/demo.toml"), *overrides,
+                    f"data.train_files={train_dir}/fineweb_train_*.bin"])
 
 
 def test_bad_input_is_one_line_without_a_traceback(demo_dir, tmp_path):
