@@ -14,6 +14,7 @@ from typing import Any, get_type_hints
 
 from model.config import ModelConfig
 from quant.options import ALLOCATORS, CALIB_SOURCES, ERROR_WEIGHTS, METHODS, MIN_BITS, OBSERVED_BITS, TABLE_BITS, one_of
+from quant.size import CAP_BYTES
 
 
 @dataclass
@@ -263,6 +264,9 @@ def validate(cfg: Config) -> None:
             ("calib_source", q.calib_source, CALIB_SOURCES, "")):
         if value not in allowed:
             raise ConfigError(f"quant.{key}={value!r}: expected {one_of(allowed)}{what}")
+    if q.cap_bytes > CAP_BYTES:  # the run is held to the challenge's cap whatever this says
+        raise ConfigError(f"quant.cap_bytes={q.cap_bytes:,} is above the challenge's {CAP_BYTES:,}-byte cap (hint: "
+                          "it can only be lowered, to export a smaller artifact)")
     if t.time_budget_s and cfg.quant.calib_reserve_s >= t.time_budget_s:
         raise ConfigError(f"quant.calib_reserve_s={cfg.quant.calib_reserve_s} must be < train.time_budget_s")
     if t.resume == "latest" and not t.run_id:
