@@ -247,8 +247,8 @@ def test_record_reproduces_the_repository_run_from_an_empty_folder(tiny_seed_run
     assert final["code_bytes"] == (record / "train_gpt.py").stat().st_size
     assert (record / "runs" / "again.mhcg").stat().st_size == final["artifact_bytes"]
     # Its command line is train.py's: --config is optional (the record's config.toml), bad input is one line.
-    usage = subprocess.run([sys.executable, "train_gpt.py", "--help"], cwd=record, env=env, capture_output=True,
-                           text=True, timeout=120)
+    usage = subprocess.run([sys.executable, "train_gpt.py", "--help"], cwd=record, capture_output=True, text=True,
+                           env={**env, "COLUMNS": "1000"}, timeout=120)  # argparse wraps a long path at the width
     assert usage.returncode == 0 and "[--config CONFIG]" in usage.stdout and "(default:" in usage.stdout
     assert "config.toml" in usage.stdout
     typo = subprocess.run([sys.executable, "train_gpt.py", "model.n_stream=1"], cwd=record, env=env,
