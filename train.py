@@ -27,8 +27,8 @@ from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256,
 from model.gpt import GPT
 from quant.container import ArtifactError, CodecUnavailable, require_codec
 from scripts.evaluate import evaluate_artifact
-from training.checkpoint import (Checkpointer, Resumed, checkpoint_step, load_checkpoint, refuse_later_checkpoints,
-                                 resolve_resume)
+from training.checkpoint import (CheckpointError, Checkpointer, Resumed, checkpoint_step, load_checkpoint,
+                                 refuse_later_checkpoints, resolve_resume)
 from training.config import Config, ConfigError, load_config, to_dict
 from training.distributed import RankFailed, destroy, fail_together, init_distributed, require_same_on_every_rank
 from training.ema import maybe_ema
@@ -243,11 +243,11 @@ def source_entropy(cfg: Config) -> float | None:
     return value
 
 
-# Bad input (a config key, a path, a shard, an artifact, a folder in use, a missing codec module), or another
-# rank's: the message names the file, field or module and gives a hint, so it is printed alone; any other error
-# keeps its traceback.
+# Bad input (a config key, a path, a shard, an artifact, a checkpoint of other settings, a folder in use, a missing
+# codec module), or another rank's: the message names the file, field or module and gives a hint, so it is printed
+# alone; any other error keeps its traceback.
 INPUT_ERRORS = (ConfigError, ShardError, TokenizerError, ByteAuditError, ArtifactError, CodecUnavailable,
-                FileNotFoundError, FileExistsError, RankFailed)
+                CheckpointError, FileNotFoundError, FileExistsError, RankFailed)
 
 
 def cli(argv=None, default_config: str | None = None) -> None:

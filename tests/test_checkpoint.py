@@ -62,7 +62,7 @@ def wait_for_step(log: Path, proc: subprocess.Popen, step: int) -> None:
 
 @pytest.mark.slow
 def test_kill_9_between_checkpoints_then_resume_matches_straight_run(corpus, tmp_path):
-    run(args(corpus, tmp_path, "straight"))
+    run(args(corpus, tmp_path, "straight", "train.checkpoint_every=5"))
     straight = tmp_path / "logs/straight.txt"
     ref = step_losses(straight)
     proc = subprocess.Popen(args(corpus, tmp_path, "killed", "train.checkpoint_every=5"),
@@ -81,6 +81,31 @@ def test_kill_9_between_checkpoints_then_resume_matches_straight_run(corpus, tmp
     # 14 is no multiple of 5: the run still leaves its final state (what bench_quant re-quantizes)
     assert [c.name for c in complete_checkpoints(tmp_path / "runs/checkpoints/killed")] == \
         ["step_00000010", "step_00000014"]
+    # and the state it ends in is the straight run's, bit for bit: weights, EMA, optimizer moments, loader, RNG
+    import torch
+    ends = [torch.load(tmp_path / f"runs/checkpoints/{run_id}/step_00000014/rank0.pt", weights_only=True)
+            for run_id in ("straight", "killed")]
+    for state in ends:
+        state.pop("train_time_s")  # the one field that differs: wall-clock time
+    assert_same(*ends)
+
+
+def assert_same(a, b, where="state"):
+    """Nested dicts/lists/tuples of tensors and plain values, equal bit for bit."""
+    import torch
+    assert type(a) is type(b), where
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, where
 
 
 @pytest.mark.slow
@@ -193,3 +218,45 @@ def test_a_checkpoint_cannot_execute_code_when_loaded(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         load_checkpoint(ck, None, [], None, None, rank=0, world_size=1)
     assert RAN == []
+
+
+class Cursor:
+    """A loader's resumable state alone."""
+
+    def __init__(self):
+        self.state = {"at": 0}
+
+    def state_dict(self):
+        return dict(self.state)
+
+    def load_state_dict(self, state):
+        self.state = dict(state)
+
+
+def test_a_resume_with_other_optimizer_settings_is_refused(tmp_path):
+    """Loading a checkpoint restored its peak LRs, weight decay, Newton-Schulz steps and EMA settings over the
+    command line's, while the log recorded the command line's (found by a review): a run resumed with
+    optim.matrix_lr=0.1 trained on at the old 0.025. Now the settings must agree; the same ones load."""
+    import torch
+    from model.gpt import GPT
+    from training.checkpoint import CheckpointError, Checkpointer, load_checkpoint
+    from training.config import load_config
+    from training.ema import maybe_ema
+    from training.optim import build_optimizers
+
+    def fresh(*overrides):
+        cfg = load_config(None, ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
+                                 "model.vocab_size=64", *overrides])
+        torch.manual_seed(0)
+        model = GPT(cfg.model)
+        return model, build_optimizers(model.param_groups(), cfg.optim), maybe_ema(model, cfg.optim)
+    model, opts, ema = fresh()
+    path = Checkpointer(tmp_path, every_steps=1, keep=1, rank=0, world_size=1).save(3, 1.0, model, opts, ema, Cursor())
+    for override, says in (("optim.matrix_lr=0.1", r"trained with initial_lr=0.025 in group 'matrix', this run's "
+                                                   r"config gives 0.1 \(hint: resume with the run's optim"),
+                           ("optim.ns_steps=4", "trained with ns_steps=5 in group 'matrix', this run's config gives 4"),
+                           ("optim.weight_decay=0.5", "trained with weight_decay=0.04 in group"),
+                           ("optim.ema_decay=0.9", r"trained with decay, warmup_steps=\(0.997, 10\) in group 'ema'")):
+        with pytest.raises(CheckpointError, match=says):
+            load_checkpoint(path, *fresh(override), Cursor(), rank=0, world_size=1)
+    assert load_checkpoint(path, *fresh(), Cursor(), rank=0, world_size=1).step == 3

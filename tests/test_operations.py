@@ -60,6 +60,63 @@ def test_divergence_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp
     assert all(torch.isfinite(t).all() for t in state["model"].values())
 
 
+def tiny_cfg(*extra):
+    return load_config(None, ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
+                              "model.vocab_size=64", "data.seq_len=16", "train.batch_tokens=64",
+                              "train.micro_batch_seqs=4", "train.max_steps=20", "train.log_every=100", *extra])
+
+
+def test_an_inf_gradient_under_a_finite_loss_never_reaches_a_checkpoint(tmp_path, monkeypatch):
+    """The check before a save looked at the loss only, which is computed before the step's update: an inf gradient
+    with a finite loss made NaN weights (clipping scales by 0 x inf), the checkpoint held them, and the older good
+    ones were pruned (found by a review). The weights and EMA are checked too now."""
+    from training import trainer
+    cfg = tiny_cfg("optim.ema_decay=0.9")
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    opts = build_optimizers(model.param_groups(), cfg.optim)
+    real_step, steps = trainer.optimizer_step, []
+
+    def inf_grad_at_step_4(optimizers, clip):
+        steps.append(1)
+        if len(steps) == 4:  # a checkpoint step: its loss, computed before the update, is finite
+            model.embed.weight.grad[0, 0] = math.inf
+        return real_step(optimizers, clip)
+    monkeypatch.setattr(trainer, "optimizer_step", inf_grad_at_step_4)
+    from training.ema import maybe_ema
+    ckpt = Checkpointer(tmp_path, every_steps=2, keep=1, rank=0, world_size=1)
+    with pytest.raises(DivergenceError, match="embed.weight holds NaN or Inf after step 4, under a finite loss"):
+        run_training(cfg, model, model, RandomLoader(), opts, maybe_ema(model, cfg.optim),
+                     DistInfo(0, 0, 1, torch.device("cpu")), RunLog(tmp_path / "log.txt", enabled=False),
+                     checkpointer=ckpt)
+    kept = complete_checkpoints(tmp_path)
+    assert [p.name for p in kept] == ["step_00000002"]  # with keep=1 it used to be replaced by a NaN step 4
+    state = torch.load(kept[-1] / "rank0.pt", weights_only=True)
+    assert all(torch.isfinite(t).all() for part in ("model", "ema") for t in
+               (state[part] if part == "model" else state[part]["shadow"]).values())
+
+
+def test_a_run_stopped_between_log_steps_logs_and_checks_its_last_step(tmp_path):
+    """The last steps before a stop between log steps were neither logged nor checked: a loss gone NaN there reached
+    the pre-quantization eval and the quantizer, which named no step (found by a review)."""
+    cfg = tiny_cfg("train.max_steps=7", "train.log_every=5")
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    lines = []
+
+    class Log(RunLog):
+        def record(self, kind, **fields):
+            lines.append((kind, fields))
+    run_training(cfg, model, model, RandomLoader(), build_optimizers(model.param_groups(), cfg.optim), None,
+                 DistInfo(0, 0, 1, torch.device("cpu")), Log(tmp_path / "l.txt", enabled=False))
+    assert [f["step"] for kind, f in lines if kind == "step"] == [1, 5, 7]  # 7 = max_steps, logged before too
+    cfg = tiny_cfg("train.max_steps=1000000", "train.log_every=100000", "train.time_budget_s=1.5")
+    with pytest.raises(DivergenceError, match=r"loss is nan at step \d+ ") as stop:  # it used to return normally
+        run_training(cfg, model, NaNAfter(model, 2), RandomLoader(), build_optimizers(model.param_groups(), cfg.optim),
+                     None, DistInfo(0, 0, 1, torch.device("cpu")), Log(tmp_path / "l.txt", enabled=False))
+    assert 1 < int(str(stop.value).split()[5]) < 100000  # the step the budget stopped at, between log steps
+
+
 def test_progress_bar_draws_on_a_terminal_only(capsys):
     fields = dict(step=10, loss=2.5, tok_s=1234, done_pct=50.0, eta_s=12.0, mfu_pct=30.1)
     ProgressBar(enabled=True).show(fields)

@@ -25,6 +25,10 @@ from training.distributed import fail_together
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
+class CheckpointError(ValueError):
+    """A checkpoint this run cannot continue from: another world size or optimizer settings, a missing part."""
+
+
 @dataclass
 class Resumed:
     step: int
@@ -171,24 +175,44 @@ class Checkpointer:
             dist.barrier()
 
 
+def optimizer_settings(optimizers) -> dict[tuple[str, str], object]:
+    """{(group, key): value} of every fixed optimizer setting: all of a param group but its tensors and what the
+    schedule sets at each step (lr, and Muon's momentum during its warmup)."""
+    return {(group.get("name", "?"), key): value for opt in optimizers for group in opt.param_groups
+            for key, value in group.items() if key not in ("params", "lr", "momentum")}
+
+
 def load_checkpoint(path: Path, model, optimizers, ema, loader, rank: int, world_size: int) -> Resumed:
     """Restore everything `Checkpointer.save` wrote; the world size must match (Muon's shards)."""
     if not (path / f"rank{rank}.pt").exists():  # more ranks now than wrote it: say so, not "no such file"
         written = len(list(path.glob("rank*.pt")))
-        raise ValueError(f"{path}: written by {written} rank(s), resuming on {world_size}: it has no rank{rank}.pt "
+        raise CheckpointError(f"{path}: written by {written} rank(s), resuming on {world_size}: it has no rank{rank}.pt "
                          "(hint: resume with the same --nproc_per_node)")
     own = torch.load(path / f"rank{rank}.pt", map_location="cpu", weights_only=True)
     if own["world_size"] != world_size:
-        raise ValueError(f"{path}: written by {own['world_size']} rank(s), resuming on {world_size} "
+        raise CheckpointError(f"{path}: written by {own['world_size']} rank(s), resuming on {world_size} "
                          "(hint: resume with the same --nproc_per_node)")
     shared = own if rank == 0 else torch.load(path / "rank0.pt", map_location="cpu", weights_only=True)
     model.load_state_dict(shared["model"])
+
+    def settings() -> dict[tuple[str, str], object]:
+        ema_setting = {("ema", "decay, warmup_steps"): (ema.decay, ema.warmup_steps)} if ema is not None else {}
+        return {**optimizer_settings(optimizers), **ema_setting}
+    configured = settings()
     for opt, state in zip(optimizers, own["optimizers"], strict=True):
         opt.load_state_dict(state)
     if ema is not None:
         if "ema" not in shared:
-            raise ValueError(f"{path}: has no EMA state but optim.ema_decay > 0")
+            raise CheckpointError(f"{path}: has no EMA state but optim.ema_decay > 0")
         ema.load_state_dict(shared["ema"])
+    # Loading restores the settings the checkpoint trained with (peak LRs, weight decay, betas, Newton-Schulz steps,
+    # the EMA's), while the run log records this run's config: a different optim.* would train on unlogged values.
+    for (group, key), theirs in settings().items():
+        mine = configured.get((group, key), theirs)  # a key of another torch version's defaults: not compared
+        if mine != theirs:
+            raise CheckpointError(f"{path}: trained with {key}={theirs} in group {group!r}, this run's config gives "
+                             f"{mine} (hint: resume with the run's optim.* settings; a checkpoint continues the "
+                             "run it belongs to)")
     loader.load_state_dict(own["loader"])
     torch.set_rng_state(own["rng_cpu"])
     if "rng_cuda" in own and torch.cuda.is_available():

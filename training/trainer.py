@@ -86,6 +86,23 @@ def run_training(
     t_start = time.perf_counter() - start.train_time_s
     clock = lambda: time.perf_counter() - t_start - paused  # noqa: E731  (training wall clock)
     now, _ = agree(clock(), False)
+
+    def record_step(loss: torch.Tensor, lr_mult: float) -> None:
+        nonlocal last_log_time, last_log_step
+        loss_val = check_finite(loss, completed)  # the only host sync of a logging step
+        train_time = clock()
+        tok_s = (completed - last_log_step) * tokens_per_step / max(train_time - last_log_time, 1e-9)
+        done = max(min(train_time / budget, 1.0) if budget else 0.0, completed / t.max_steps)
+        fields = dict(step=completed, loss=round(loss_val, 5), lr_mult=round(lr_mult, 5), tok_s=round(tok_s),
+                      train_time_s=round(train_time, 2), done_pct=round(100 * done, 1),
+                      eta_s=round(train_time / done - train_time, 1))
+        if peak:
+            fields["mfu_pct"] = round(100 * flops_per_step * tok_s / tokens_per_step / peak, 1)
+        bar.clear()
+        log.record("step", **fields)
+        bar.show(fields)
+        last_log_time, last_log_step = train_time, completed
+
     for step in range(start.step, t.max_steps):
         # No sync here: the CPU runs at most a few steps ahead of the GPU (bounded launch queue),
         # and every log step below syncs, so the budget is met to within a step or two. `now` is
@@ -101,19 +118,7 @@ def run_training(
             ema.update(model, step)
         completed = step + 1
         if completed % t.log_every == 0 or step == start.step or completed == t.max_steps:
-            loss_val = check_finite(loss, completed)  # the only host sync of a logging step
-            train_time = clock()
-            tok_s = (completed - last_log_step) * tokens_per_step / max(train_time - last_log_time, 1e-9)
-            done = max(min(train_time / budget, 1.0) if budget else 0.0, completed / t.max_steps)
-            fields = dict(step=completed, loss=round(loss_val, 5), lr_mult=round(lr_mult, 5), tok_s=round(tok_s),
-                          train_time_s=round(train_time, 2), done_pct=round(100 * done, 1),
-                          eta_s=round(train_time / done - train_time, 1))
-            if peak:
-                fields["mfu_pct"] = round(100 * flops_per_step * tok_s / tokens_per_step / peak, 1)
-            bar.clear()
-            log.record("step", **fields)
-            bar.show(fields)
-            last_log_time, last_log_step = train_time, completed
+            record_step(loss, lr_mult)
         if evaluate is not None and cfg.eval.every_steps and completed % cfg.eval.every_steps == 0:
             sync()
             e0 = time.perf_counter()
@@ -125,7 +130,7 @@ def run_training(
         # (even during the save) is acted on by all ranks after the next agreement.
         now, stop = agree(clock(), checkpointer is not None and checkpointer.stop_requested)
         if checkpointer is not None and (stop or checkpointer.is_periodic(completed)):
-            check_finite(loss, completed)  # never overwrite a good checkpoint with a diverged model
+            check_state_finite(loss, model, ema, completed)  # never replace a good checkpoint with a diverged one
             sync()
             c0 = time.perf_counter()
             path = checkpointer.save(completed, clock(), model, optimizers, ema, loader)
@@ -134,13 +139,15 @@ def run_training(
             if stop:  # a signal that reached any rank stops them all at this step
                 stopped_by = "signal"
                 break
+    if completed > last_log_step:  # stopped between log steps (the budget, a signal): the last step is logged too,
+        record_step(loss, lr_mult)  # and a loss gone NaN since the last log step stops the run here, named
     sync()
     train_time = clock()
     if checkpointer is not None and checkpointer.every > 0 and completed > start.step \
             and stopped_by != "signal" and not checkpointer.is_periodic(completed):
         # A run that checkpoints also leaves its final state (what it ships), whatever stopped it:
         # scripts/bench_quant.py re-quantizes it, and resume=latest continues from it.
-        check_finite(loss, completed)
+        check_state_finite(loss, model, ema, completed)
         log(f"checkpoint {checkpointer.save(completed, train_time, model, optimizers, ema, loader)} "
             f"(step {completed}, final)")
     bar.clear()
@@ -154,6 +161,19 @@ def check_finite(loss: torch.Tensor, step: int) -> float:
         raise DivergenceError(f"loss is {value} at step {step} (hint: lower optim.matrix_lr or "
                               "optim.grad_clip, and resume from the last checkpoint, which is untouched)")
     return value
+
+
+def check_state_finite(loss: torch.Tensor, model: torch.nn.Module, ema, step: int) -> None:
+    """Before a checkpoint: the loss, every weight and every EMA shadow finite. The loss is computed before the
+    step's update, so an inf gradient under a finite loss passed (clipping scales it by 0, and 0 x inf = NaN)."""
+    check_finite(loss, step)
+    named = list(model.named_parameters()) + ([(f"the EMA of {n}", t) for n, t in zip(ema.names, ema.shadow)]
+                                             if ema is not None else [])
+    if not torch.stack([torch.isfinite(t).all() for _, t in named]).all():  # one host sync
+        bad = next(name for name, t in named if not torch.isfinite(t).all())
+        raise DivergenceError(f"{bad} holds NaN or Inf after step {step}, under a finite loss (hint: lower "
+                              "optim.matrix_lr or optim.grad_clip, and resume from the last checkpoint, which is "
+                              "untouched)")
 
 
 def training_flops_per_token(model: torch.nn.Module, cfg: Config) -> float:
