@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import faulthandler
 import json
 import sys
 import time
@@ -114,9 +115,15 @@ def main(argv=None, default_config: str | None = None) -> dict:
     optimizers = build_optimizers(model.param_groups(), cfg.optim)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model {n_params:,} parameters")
-    loader = TokenLoader(train_files, cfg.data.seq_len, cfg.train.micro_batch_seqs,
-                         rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed,
-                         shards_per_batch=cfg.data.shards_per_batch, prefetch=cfg.data.prefetch, device=device)
+    try:  # the same on every rank: a refusal (too little data for the ranks) stops them all
+        loader = TokenLoader(train_files, cfg.data.seq_len, cfg.train.micro_batch_seqs,
+                             rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed,
+                             shards_per_batch=cfg.data.shards_per_batch, prefetch=cfg.data.prefetch, device=device,
+                             vocab_size=cfg.model.vocab_size)
+    except ValueError as e:
+        raise ConfigError(f"data.train_files: {e}") from None
+    for shard, n in loader.skipped:
+        log(f"data: {shard} left out: its {n} tokens are fewer than data.seq_len + 1 = {cfg.data.seq_len + 1}")
     # Closed however the run ends: a prefetch thread still running when an exception reaches the top aborts
     # the interpreter's exit (SIGABRT, "terminate called without an active exception") instead of exiting 1.
     with loader:
@@ -138,6 +145,9 @@ def load_validation(cfg: Config, train_files: list[str], rank: int) -> Validatio
     val_files = list_shards(cfg.data.val_files)
     require_disjoint(train_files, val_files)
     val_tokens = load_tokens(val_files, cfg.eval.max_tokens)
+    if len(val_tokens) and int(val_tokens.max()) >= cfg.model.vocab_size:
+        raise ShardError(f"{cfg.data.val_files}: token id {int(val_tokens.max())} is outside the model's vocabulary "
+                         f"of {cfg.model.vocab_size} (hint: validation shards made with another tokenizer)")
     lut = build_byte_lut(cfg.data.tokenizer)
     if len(lut.base_bytes) != cfg.model.vocab_size:
         raise ConfigError(f"{cfg.data.tokenizer} has {len(lut.base_bytes)} ids but model.vocab_size="
@@ -252,6 +262,7 @@ INPUT_ERRORS = (ConfigError, ShardError, TokenizerError, ByteAuditError, Artifac
 
 def cli(argv=None, default_config: str | None = None) -> None:
     """The command line of train.py and of a record's train_gpt.py."""
+    faulthandler.enable()  # a fatal signal (SIGBUS from a shard cut short under its memory map) prints a traceback
     try:
         main(argv, default_config)
     except INPUT_ERRORS as e:

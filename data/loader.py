@@ -5,8 +5,10 @@ shifted targets; consecutive blocks share one token, so every target token after
 used once). For each (pass, shard) a generator seeded with (seed, pass, shard) -- identical on every
 rank -- draws a phase (a token offset in [0, seq_len) and a starting block) and a stride coprime to the
 block count; visiting blocks (start + k * stride) mod n_blocks for k = 0..n_blocks-1 reaches every
-block exactly once. Rank r takes k = r, r + W, r + 2W, ...: ranks are disjoint and together cover
-the pass. Each batch mixes up to `shards_per_batch` shards, chosen with probability proportional to
+block exactly once. The blocks of all shards are numbered one after another, and rank r takes the numbers
+r, r + W, r + 2W, ... below the largest multiple of W: ranks are disjoint, each gets the same count (so all
+stay in the same pass, step for step), and together they cover the pass but for fewer than W blocks. Shards
+shorter than seq_len + 1 tokens are left out (`skipped`). Each batch mixes up to `shards_per_batch` shards, chosen with probability proportional to
 their blocks left in the pass so all shards drain together. The whole order is a pure function of
 (seed, rank, world_size, seq_len, batch_seqs, shard sizes) and of the small resumable state
 (pass, draws, per-shard cursors).
@@ -18,6 +20,7 @@ on CUDA the host-to-device copy of batch i+1 is issued on a side stream when bat
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -26,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.shards import read_shard
+from data.shards import HEADER_BYTES, ShardError, read_shard
 
 STATE_FORMAT = 1
 _PHASE_TAG = 0x5EED  # separates the per-shard phase stream from the per-batch shard-choice stream
@@ -48,13 +51,26 @@ class _Pass:
     def token_start(self, k: int, seq_len: int) -> int:
         return self.offset + ((self.start + k * self.stride) % self.n_blocks) * seq_len
 
+    def assign(self, numbered_before: int, numbered_total: int, rank: int, world_size: int) -> None:
+        """This rank's blocks of the shard: k = first, first + W, ... for the blocks numbered (numbered_before + k)
+        that are r mod W and below the last multiple of W of the pass's total."""
+        used = numbered_total // world_size * world_size
+        self.first = (rank - numbered_before) % world_size
+        limit = min(self.n_blocks, used - numbered_before)
+        self.count = max(0, (limit - self.first + world_size - 1) // world_size)
+
+
+def fewest_blocks(n_tokens: int, seq_len: int) -> int:
+    """A shard's blocks in its worst pass: the one whose phase offset is largest."""
+    return (n_tokens - 1 - min(seq_len - 1, n_tokens - 1 - seq_len)) // seq_len
+
 
 class TokenLoader:
     """Batches of (inputs, targets), int64 [batch_seqs, seq_len] on `device`; see the module docstring."""
 
     def __init__(self, files: list[str], seq_len: int, batch_seqs: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, shards_per_batch: int = 4, prefetch: int = 4,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", vocab_size: int | None = None):
         if not files:
             raise ValueError("TokenLoader: no shard files given (hint: check data.train_files)")
         if seq_len < 1 or batch_seqs < 1:
@@ -64,11 +80,21 @@ class TokenLoader:
         if seed < 0 or shards_per_batch < 1 or prefetch < 0:
             raise ValueError(f"TokenLoader: need seed >= 0 (got {seed}), shards_per_batch >= 1 (got "
                              f"{shards_per_batch}) and prefetch >= 0 (got {prefetch})")
-        self.files = [str(f) for f in files]
-        self.tokens = [read_shard(f) for f in self.files]  # memory maps: pages load on demand
-        for f, t in zip(self.files, self.tokens):
-            if len(t) < seq_len + 1:
-                raise ValueError(f"TokenLoader: {f} has {len(t)} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        shards = [(str(f), read_shard(f)) for f in files]  # memory maps: pages load on demand
+        # A last shard of a few tokens (data.prepare writes whatever is left) holds no sequence: left out, said.
+        self.skipped = [(f, len(t)) for f, t in shards if len(t) < seq_len + 1]
+        self.files = [f for f, t in shards if len(t) >= seq_len + 1]
+        self.tokens = [t for _, t in shards if len(t) >= seq_len + 1]
+        if not self.files:
+            f, n = self.skipped[0]
+            raise ValueError(f"TokenLoader: {f} has {n} tokens, fewer than seq_len + 1 = {seq_len + 1}, and so has "
+                             f"every shard given ({len(shards)}; hint: a shorter data.seq_len, or check the shards)")
+        worst = sum(fewest_blocks(len(t), seq_len) for t in self.tokens)
+        if worst < world_size:  # each rank needs a block in every pass, whatever its phase offsets
+            raise ValueError(f"TokenLoader: {len(self.files)} usable shard(s) of {len(shards)} hold {worst} sequences "
+                             f"of seq_len + 1 = {seq_len + 1} tokens in a pass, fewer than world_size {world_size} "
+                             "(hint: more data, a shorter data.seq_len, or fewer ranks)")
+        self.vocab_size = vocab_size
         self.seq_len, self.batch_seqs = seq_len, batch_seqs
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.shards_per_batch, self.prefetch = shards_per_batch, prefetch
@@ -93,16 +119,16 @@ class TokenLoader:
         if passes is None:
             passes = [_Pass(len(t), self.seq_len, np.random.default_rng([self.seed, p, s, _PHASE_TAG]))
                       for s, t in enumerate(self.tokens)]
+            total, before = sum(sp.n_blocks for sp in passes), 0
+            for sp in passes:
+                sp.assign(before, total, self.rank, self.world_size)
+                before += sp.n_blocks
             self._passes = {p: passes}
         return passes
 
-    def _rank_blocks(self, shard_pass: _Pass) -> int:
-        """Blocks of one shard this rank takes in a pass: k = rank, rank + W, ... below n_blocks."""
-        return max(0, (shard_pass.n_blocks - self.rank + self.world_size - 1) // self.world_size)
-
     def blocks_in_pass(self, p: int) -> int:
-        """How many blocks (sequences) this rank receives in pass `p`."""
-        return sum(self._rank_blocks(sp) for sp in self._pass(p))
+        """How many blocks (sequences) this rank receives in pass `p`: the same on every rank."""
+        return sum(sp.count for sp in self._pass(p))
 
     def _plan_batch(self, state: dict) -> tuple[list[tuple[int, int]], dict]:
         """(shard, token start) of each row of the next batch, and the state after it."""
@@ -110,11 +136,8 @@ class TokenLoader:
         rows: list[tuple[int, int]] = []
         while len(rows) < self.batch_seqs:
             passes = self._pass(p)
-            left = np.array([self._rank_blocks(sp) - c for sp, c in zip(passes, cursors)], dtype=np.float64)
-            if left.sum() == 0:
-                if not any(cursors):
-                    raise ValueError(f"TokenLoader: rank {self.rank} gets no blocks in pass {p}: too little data "
-                                     f"for world_size {self.world_size} at seq_len {self.seq_len}")
+            left = np.array([sp.count - c for sp, c in zip(passes, cursors)], dtype=np.float64)
+            if left.sum() == 0:  # never at a pass's start: the constructor made sure every rank has a block
                 p, draws, cursors = p + 1, 0, [0] * len(cursors)
                 continue
             rng = np.random.default_rng([self.seed, self.rank, p, draws])
@@ -126,19 +149,29 @@ class TokenLoader:
             for i, s in enumerate(chosen.tolist()):
                 take = min(need // k + (i < need % k), int(left[s]))
                 for c in range(cursors[s], cursors[s] + take):
-                    kk = self.rank + c * self.world_size
+                    kk = passes[s].first + c * self.world_size
                     rows.append((s, passes[s].token_start(kk, self.seq_len)))
                 cursors[s] += take
-        if all(self._rank_blocks(sp) == c for sp, c in zip(self._pass(p), cursors)):
+        if all(sp.count == c for sp, c in zip(self._pass(p), cursors)):
             p, draws, cursors = p + 1, 0, [0] * len(cursors)  # canonical: a finished pass is the next one
         return rows, {"pass": p, "draws": draws, "cursors": cursors}
 
     def _gather(self, rows: list[tuple[int, int]]) -> torch.Tensor:
         """Token rows [batch_seqs, seq_len + 1] as int32, pinned when bound for a GPU."""
+        for s in {s for s, _ in rows}:  # a shard cut short under its memory map would kill the process (SIGBUS)
+            if os.path.getsize(self.files[s]) < HEADER_BYTES + 2 * len(self.tokens[s]):
+                raise ShardError(f"{self.files[s]}: shorter than when training started: overwritten in place? "
+                                 "(hint: replace shards by renaming a finished file into place, as data.prepare "
+                                 "and data.download do)")
         out = torch.empty((len(rows), self.seq_len + 1), dtype=torch.int32, pin_memory=self._pin)
         buf = out.numpy()
         for i, (s, start) in enumerate(rows):
             buf[i] = self.tokens[s][start:start + self.seq_len + 1]
+        if self.vocab_size is not None and buf.max() >= self.vocab_size:  # else an index error inside the model
+            i = int(np.argmax(buf.max(axis=1)))
+            raise ShardError(f"{self.files[rows[i][0]]}: token id {int(buf[i].max())} near token {rows[i][1]} is "
+                             f"outside the model's vocabulary of {self.vocab_size} (hint: shards made with another "
+                             "tokenizer than data.tokenizer)")
         return out
 
     # ----- the producer thread -----
@@ -196,6 +229,9 @@ class TokenLoader:
             return item
         item = self._queue.get()
         if isinstance(item, BaseException):
+            self._queue.put(item)  # the thread has stopped: every later call fails the same way, none waits forever
+            if isinstance(item, ShardError):  # names the shard: what to fix
+                raise item
             raise RuntimeError("TokenLoader: the prefetch thread failed") from item
         self._taken += 1
         return item

@@ -231,6 +231,33 @@ def test_a_validation_shard_under_another_name_is_refused(demo_dir, tmp_path, li
                     f"data.train_files={train_dir}/fineweb_train_*.bin"])
 
 
+def test_shards_the_model_cannot_read_are_named_and_a_stub_shard_is_left_out(demo_dir, tmp_path):
+    """A validation shard with ids past model.vocab_size failed inside the model (an index error naming no file);
+    a last training shard of a few tokens, which data.prepare can write, made the loader refuse the whole set."""
+    import numpy as np
+
+    import train
+    from data.shards import write_shard
+    data = tmp_path / "data"
+    data.mkdir()
+    for shard in demo_dir.glob("fineweb_*.bin"):
+        os.symlink(shard, data / shard.name)
+    write_shard(data / "fineweb_train_999999.bin", np.array([1, 5, 6], dtype=np.uint16))
+    overrides = [o for o in tiny_overrides(demo_dir, tmp_path) if not o.startswith(("data.train_files=", "train."
+                                                                                     "max_steps="))]
+    final = train.main(["--config", str(REPO / "configs/demo.toml"), *overrides, "train.max_steps=2",
+                        f"data.train_files={data}/fineweb_train_*.bin"])
+    assert final["steps"] == 2
+    log = (tmp_path / "logs" / "tiny.txt").read_text()
+    assert f"data: {data}/fineweb_train_999999.bin left out: its 3 tokens are fewer than data.seq_len + 1 = 33" in log
+    val = tmp_path / "val"
+    val.mkdir()
+    write_shard(val / "fineweb_val_000000.bin", np.array([1, 5, 600, 7], dtype=np.uint16))
+    with pytest.raises(ShardError, match=r"fineweb_val_\*.bin: token id 600 is outside the model's vocabulary of 512"):
+        train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
+                    f"data.val_files={val}/fineweb_val_*.bin", "train.run_id=badval"])
+
+
 def test_bad_input_is_one_line_without_a_traceback(demo_dir, tmp_path):
     """On the command line, an input error (here a misspelt key, then a missing tokenizer) prints its message,
     which names the field or file, with no traceback; exit status 1."""

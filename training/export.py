@@ -53,7 +53,8 @@ def calibration_batches(cfg: Config, model, train_files: list[str], device: torc
         ids = generate_calibration_tokens(model, q.calib_seqs, seq_len, seed=cfg.train.seed)
         return list(ids.to(device).split(batch))
     loader = TokenLoader(train_files, seq_len, batch, seed=cfg.train.seed + CALIB_SEED_OFFSET,
-                         shards_per_batch=cfg.data.shards_per_batch, prefetch=2, device=device)
+                         shards_per_batch=cfg.data.shards_per_batch, prefetch=2, device=device,
+                         vocab_size=cfg.model.vocab_size)
     try:
         return [loader.next_batch()[0] for _ in range(-(-q.calib_seqs // batch))]
     finally:
