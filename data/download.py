@@ -39,9 +39,11 @@ class RemoteFile:
 
 
 def dataset_name(variant: str) -> str:
-    if variant == "byte260" or (variant.startswith("sp") and variant[2:].isdigit()):
+    if variant.startswith("sp") and variant[2:].isdigit():
         return f"fineweb10B_{variant}"
-    raise ValueError(f"unknown variant {variant!r}; expected sp<VOCAB> (e.g. sp1024) or byte260")
+    # The export's byte260 set comes with a JSON byte tokenizer; training and the byte audit need SentencePiece.
+    raise ValueError(f"unknown variant {variant!r}; expected sp<VOCAB> (e.g. sp1024 or sp8192: the SentencePiece "
+                     "sets, which this repository's training and byte accounting read)")
 
 
 def _entry(manifest: dict, section: str, name: str) -> dict:
@@ -165,7 +167,7 @@ def download(variant: str, train_shards: int, out_dir: Path, repo_id: str = REPO
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variant", default="sp1024", help="sp1024 (default), sp8192, ... or byte260")
+    p.add_argument("--variant", default="sp1024", help="sp1024 (default), sp8192, ...: a SentencePiece set")
     p.add_argument("--train-shards", type=int, default=80, help="training shards of 100M tokens (default 80)")
     p.add_argument("--out", type=Path, default=PACKAGE_DIR, help="destination root (default: the data/ package)")
     p.add_argument("--repo-id", default=REPO_ID, help=f"Hub dataset repo (default {REPO_ID})")

@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(shard_summary(path, a.vocab_size)), flush=True)
         except ShardError as exc:
             sys.exit(f"data.inspect: {exc}")
+        except OSError as exc:  # a folder, a missing or unreadable file
+            sys.exit(f"data.inspect: {path}: {exc.strerror} (hint: give shard files, e.g. DIR/fineweb_train_*.bin)")
 
 
 if __name__ == "__main__":

@@ -181,8 +181,10 @@ def prepare(inputs: list[str], tokenizer: str, out_dir: str | os.PathLike, *, va
                               **kwargs)
     docs = iter_texts(inputs)
     val = list(itertools.islice(docs, val_docs))
-    if len(val) < val_docs:
+    first_train = next(docs, None)  # at least one document must be left to train on
+    if len(val) < val_docs or first_train is None:
         raise ValueError(f"--val-docs {val_docs} but the inputs hold only {len(val)} documents, none left to train")
+    docs = itertools.chain([first_train], docs)
     splits = {"val": val, "train": docs} if val_docs else {"train": docs}
     return prepare_splits(splits, tokenizer, out_dir, **kwargs)
 

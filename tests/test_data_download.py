@@ -36,6 +36,7 @@ def test_plan_lists_tokenizer_val_and_requested_train_shards(tmp_path):
 
 @pytest.mark.parametrize("variant, shards, match", [
     ("gpt2", 1, "unknown variant 'gpt2'"),
+    ("byte260", 1, "unknown variant 'byte260'; expected sp<VOCAB>"),  # offered once; its tokenizer is JSON
     ("sp4096", 1, "no datasets entry named 'fineweb10B_sp4096' \\(available: fineweb10B_sp1024, fineweb10B_sp8192\\)"),
     ("sp1024", 4, "--train-shards 4: fineweb10B_sp1024 has 3 training shards"),
     ("sp8192", 1, "lacks integer stats.files_train"),

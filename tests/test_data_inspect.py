@@ -39,3 +39,5 @@ def test_damaged_shards_exit_nonzero_naming_the_file(tmp_path):
         assert json.loads(out.stdout.splitlines()[0])["tokens"] == 2  # the good shard was still reported
     out = run_inspect(tmp_path / "good.bin", "--vocab-size", 5)
     assert out.returncode == 1 and "not below vocab_size 5" in out.stderr
+    out = run_inspect(tmp_path)  # a folder: a traceback (IsADirectoryError) before
+    assert out.returncode == 1 and "Is a directory (hint: give shard files" in out.stderr and "Traceback" not in out.stderr

@@ -76,6 +76,8 @@ def test_separate_val_input_and_overwrite(demo_text, tmp_path):
         prepare([str(d / "docs.txt")], model, tmp_path / "x", val_docs=3, val_inputs=[str(d / "val.jsonl")])
     with pytest.raises(ValueError, match="only 700 documents"):
         prepare([str(d / "docs.txt")], model, tmp_path / "y", val_docs=10_000)
+    with pytest.raises(ValueError, match="--val-docs 700 but the inputs hold only 700 documents, none left to train"):
+        prepare([str(d / "docs.txt")], model, tmp_path / "z", val_docs=700)  # it exited 0 with no training shard
 
 
 def test_an_interrupted_run_leaves_the_folder_as_it_was(demo_text, tmp_path, fail_at_call):
