@@ -40,10 +40,11 @@ def coef_premix_kernel(
     APPLY: tl.constexpr, APPLY_PASS: tl.constexpr, LOWP: tl.constexpr, ZIGZAG: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr,
 ):
-    """LOWP (bf16 streams): the projection x'.phi takes bf16 operands (fp32 accumulate), as the
-    reference's matmul does under the model's bf16 autocast. APPLY_PASS: the apply runs as a pass of its
-    own over all channels before the projection, so that neither loop holds a barrier (pass 1 otherwise
-    stores, syncs and reloads each channel tile, which keeps its loads from overlapping iterations).
+    """LOWP (bf16 streams): the projection x'.phi takes bf16 operands (the stored x' and phi^T, on the tensor
+    cores) with fp32 accumulation and an fp32 result; the reference is fp32 throughout. APPLY_PASS: the
+    apply runs as a pass of its own over all channels before the projection, so that neither loop holds a
+    barrier (pass 1 otherwise stores, syncs and reloads each channel tile, which keeps its loads from
+    overlapping iterations).
     ZIGZAG: the passes over the channels alternate direction (pass 0 backwards, pass 1 forwards, pass 2
     backwards), so each pass first rereads the tiles the pass before touched last, while they are most likely
     still in L2. Only the elementwise passes turn around: the projection's sum keeps its order."""

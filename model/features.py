@@ -104,9 +104,14 @@ class UNetSkips(nn.Module):
         j = block - self.n_enc
         return j if 0 <= j < self.n_enc else None
 
-    def add(self, x: torch.Tensor, block: int, saved: list[torch.Tensor]) -> torch.Tensor:
-        """x + weight[j] * (the mirror encoder block's saved tensor), for a decoder block with a skip."""
+    def skip(self, block: int, saved: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
+        """weight[j] * (the mirror encoder block's saved tensor) for a decoder block with a skip, else None."""
         j = self.skip_index(block)
         if j is None:
-            return x
-        return x + self.weight[j].to(x.dtype) * saved[self.n_enc - 1 - j].to(x.dtype)
+            return None
+        return self.weight[j].to(dtype) * saved[self.n_enc - 1 - j].to(dtype)
+
+    def add(self, x: torch.Tensor, block: int, saved: list[torch.Tensor]) -> torch.Tensor:
+        """x + its skip (see skip), for a decoder block with one; x otherwise."""
+        s = self.skip(block, saved, x.dtype)
+        return x if s is None else x + s

@@ -8,20 +8,18 @@ the pre-mix of sublayer l+1 are one call (`post_pre`), the point where the kerne
 Record options (model/config.py; all off by default): the input embedding may add BigramHash and
 pass through SmearGate; attention may use XSA, partial RoPE and value embeddings (one shared table,
 a projection per layer); sublayer norms may be scaled per block; U-Net skips link encoder and
-decoder blocks. What a skip carries depends on the residual wiring:
-  * n_streams = 1: the residual stream x after encoder block i is added (times its learned weight)
-    to x before the mirror decoder block, and so stays in the stream.
-  * mHC: adding to the n streams would cost n*C reads/writes per token and a change to the fused
-    kernel calls; instead the skip carries the attention INPUT u of encoder block i (C values per
-    token, already kept for the backward pass) and is added to the attention input u of the mirror
-    decoder block, between the kernel calls (`ops.pre/post/post_pre` are unchanged). Taking the
-    input rather than the block's output also keeps the first decoder block's skip from being its
-    own input again (the last encoder block's output is exactly what it reads next), and gives the
-    deepest skip (into block 2*n_enc - 1) the input of block 0, i.e. the embedding.
+decoder blocks. A skip carries the state after encoder block i and is added, times its learned weight, to
+the residual before the mirror decoder block, so that mHC starts as the plain network with skips too:
+  * n_streams = 1: the residual stream x after the block; it is added to x, and so stays in the stream.
+  * mHC: the state after the block is what the next block reads, its pre-mix u (or, after the last mHC
+    block, the readout). The skip s enters the decoder block's input u, and its output y as y + s, which
+    the apply adds to every stream i times H_post[i] (1 at init): the plain x + s + F(x + s). Both are C
+    values per token between the kernel calls; adding s to the n streams themselves would cost n*C reads
+    and writes per token and a change to the fused calls.
 With mhc_blocks = k > 0 only the first k blocks have mHC: after them the head's learned readout
 collapses the streams into one residual stream and the remaining blocks are plain, so the stream
-traffic (the cost of mHC) scales with k. A skip then carries u from an mHC encoder block and x from
-a plain one, and is added to u or x by the decoder block, whichever wiring that block has.
+traffic (the cost of mHC) scales with k. A skip then carries u (or the readout) from an mHC encoder block
+and x from a plain one, and is added by the decoder block as its wiring takes it.
 """
 from __future__ import annotations
 
@@ -154,28 +152,33 @@ class GPT(nn.Module):
         p0 = self.mhc[0]
         self._observe_mhc_input(0, streams)
         u, h_post, h_res = self.ops.pre(streams, p0.projection(), p0.alpha, p0.bias, it)
-        saved: list[torch.Tensor] = []  # U-Net: attention input u of each encoder block (see module doc)
+        saved: list[torch.Tensor] = []  # U-Net: the state after each encoder block (see module doc)
         per_block = self.cfg.mhc_granularity == "block"
         last = len(self.mhc) - 1
         for l in range(len(self.mhc)):
             block = l if per_block else l // 2
-            if self.unet is not None and (per_block or l % 2 == 0):
-                if self.unet.is_encoder(block):
-                    saved.append(u)
-                u = self.unet.add(u, block, saved)
+            skip = self.unet.skip(block, saved, u.dtype) if self.unet is not None and (per_block or l % 2 == 0) \
+                else None
+            if skip is not None:
+                u = u + skip
             y = (self._block_delta(block, u, value_embed) if per_block
-                 else self.sublayers[l](u, *self._extra(l, value_embed))).to(dtype)
+                 else self.sublayers[l](u, *self._extra(l, value_embed)))
+            y = (y if skip is None else y + skip).to(dtype)  # the skip reaches the streams, as in the plain one
             if l < last:
                 p = self.mhc[l + 1]
                 streams, u, h_post, h_res = self.ops.post_pre(streams, h_res, h_post, y, p.projection(), p.alpha,
                                                               p.bias, it)
                 self._observe_mhc_input(l + 1, streams)  # post_pre returned unit l+1's input with its coefficients
+                if self.unet is not None and (per_block or l % 2 == 1) and self.unet.is_encoder(block):
+                    saved.append(u)  # the state after the block: what the next block reads
             else:
                 streams = self.ops.post(streams, h_res, h_post, y)
         # An elementwise product and a sum over the stream axis, not an einsum: einsum lowers to a matrix
         # product with K = n (forward) and K = 1 (backward) over all B*T*C elements, which cuBLAS ran
         # as GEMV kernels taking 3.1 ms (n=4) and 6.0 ms (n=2) of an H100 step; this inductor fuses.
         x = (streams.float() * self.readout.float()[:, None]).sum(dim=-2)
+        if self.unet is not None and self.unet.is_encoder(self.n_mhc_blocks - 1):
+            saved.append(x)  # the last mHC block was an encoder block: its state is the readout
         if self.n_mhc_blocks < self.cfg.n_layers:
             x = self._hidden_plain(x, value_embed, self.n_mhc_blocks, saved)
         return x

@@ -70,6 +70,20 @@ def test_h_res_is_doubly_stochastic():
     assert ((h_pre > 0) & (h_pre < 1)).all() and ((h_post > 0) & (h_post < 2)).all()
 
 
+def test_reference_coefficients_are_fp32_under_autocast():
+    """The reference's projection ran under the model's bf16 autocast and rounded raw to bf16 (0.014 off at unit
+    scale, found by a review), though its docstring said fp32; the Triton kernel keeps it in fp32."""
+    torch.manual_seed(0)
+    n, C = 4, 16
+    x = torch.randn(3, 7, n, C)
+    phi = torch.randn(n * C, n * n + 2 * n) / (n * C) ** 0.5
+    args = (phi, torch.tensor([1.0, 1.0, 1.0]), mhc_init_bias(n))
+    exact = mhc_coefficients(x, *args)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = mhc_coefficients(x, *args)
+    assert all(torch.equal(a, b) and b.dtype == torch.float32 for a, b in zip(exact, under_autocast))
+
+
 def test_sinkhorn_of_large_logits_stays_finite():
     m = sinkhorn_knopp(torch.tensor([[[200.0, 0.0], [0.0, 200.0]]]), 20)
     assert torch.isfinite(m).all() and torch.allclose(m, torch.eye(2).unsqueeze(0), atol=1e-6)

@@ -169,10 +169,11 @@ def attention_inputs(model: GPT, idx: torch.Tensor) -> list[torch.Tensor]:
                                                           (4, 1, "sublayer"), (4, 3, "block")])
 def test_unet_decoder_block_receives_its_mirror_encoder_block(n_streams, blocks, granularity):
     """5 blocks: encoder 0-1, decoder 2-4; block 2 <- encoder 1, block 3 <- encoder 0, block 4 none.
-    Plain path: the skip is the residual after encoder block i (= block i+1's input); mHC: the
-    attention input u of encoder block i (model/gpt.py explains why). With mhc_blocks=3 the encoder
-    and block 2 have mHC and block 3 is plain: it adds u of encoder block 0 to its residual input.
-    With mhc_blocks=1 the split is inside the encoder: block 1 is plain and saves its output."""
+    The skip is the state after encoder block i, which is block i+1's input: the residual x on the plain
+    path, the pre-mix u of the next unit (or the readout after the last mHC block) with mHC. (mHC used to
+    carry block i's own input u instead, so it did not start as the plain network with skips; found by a
+    review.) With mhc_blocks=3 the encoder and block 2 have mHC and block 3 is plain; with mhc_blocks=1 the
+    split is inside the encoder: block 0's state is the readout that plain block 1 reads."""
     torch.manual_seed(0)
     model = randomize_(GPT(tiny(n_layers=5, n_streams=n_streams, unet_skips=True, mhc_blocks=blocks,
                                 mhc_granularity=granularity))).eval()
@@ -180,7 +181,7 @@ def test_unet_decoder_block_receives_its_mirror_encoder_block(n_streams, blocks,
     assert torch.equal(GPT(tiny(n_layers=5, unet_skips=True)).unet.weight, torch.ones(2, 32))
     idx = tokens()
     for j, enc in ((0, 1), (1, 0)):
-        shift = 0 if n_streams > 1 and enc < (blocks or 5) else 1  # mHC encoder: its input u; plain: its output
+        shift = 1  # the state after encoder block enc: the input of block enc + 1, on either path
         with torch.no_grad():
             model.unet.weight.zero_()
             no_skip = attention_inputs(model, idx)
@@ -344,13 +345,16 @@ def test_all_options_trace_as_one_graph(n_streams, blocks):
     assert torch.allclose(compiled(idx), model(idx), atol=1e-6)
 
 
-def test_mhc_with_options_starts_as_the_plain_network_with_the_same_options():
-    """U-Net skips aside (they carry different tensors by design), every option sits inside the
-    embedding or the sublayers, so mHC at alpha = 0 still starts as the plain network."""
-    opts = {k: v for k, v in ALL_ON.items() if k != "unet_skips"}
+@pytest.mark.parametrize("granularity, blocks", [("sublayer", 0), ("sublayer", 1), ("sublayer", 3), ("block", 0),
+                                                 ("block", 3)])
+def test_mhc_with_options_starts_as_the_plain_network_with_the_same_options(granularity, blocks):
+    """Every option, U-Net skips included, so mHC at alpha = 0 starts as the plain network with the same options.
+    The skips used to carry other tensors under mHC (a block's input, added to the next sublayer's input only), and
+    the shipped layout (n=2, mhc_blocks=3, skips on) started up to 1.4 logits away from the plain one."""
     torch.manual_seed(0)
-    plain = randomize_(GPT(tiny(n_streams=1, **opts))).eval()
-    mhc = GPT(tiny(n_streams=4, mhc_alpha_init=0.0, **opts)).eval()
+    plain = randomize_(GPT(tiny(n_layers=5, n_streams=1, **ALL_ON))).eval()  # encoder 0-1, decoder 2-4
+    mhc = GPT(tiny(n_layers=5, n_streams=4, mhc_alpha_init=0.0, mhc_granularity=granularity, mhc_blocks=blocks,
+                   **ALL_ON)).eval()
     params = dict(mhc.named_parameters())
     with torch.no_grad():
         for name, p in plain.named_parameters():
