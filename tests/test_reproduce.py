@@ -185,6 +185,7 @@ def test_submission_fields():
 KEPT_GPU_LOGS = {
     "n1": ((1, 0), {1337: 1.3139540611233271, 42: 1.3106258461496454, 2025: 1.3121527697526691}, 1.31224),
     "n2k3": ((2, 3), {1337: 1.3113889330099047, 42: 1.314503399280887, 2025: 1.311754911793264}, 1.31255),
+    "unet17": ((2, 3), {1337: 1.3115338494851583, 42: 1.3148200896244573, 2025: 1.3132908139004342}, 1.31321),
 }
 
 
@@ -223,6 +224,11 @@ def test_the_kept_layouts_compare_as_reproduce_reported():
     # and no gain at all: the README's t -0.22 (p 0.58) for "any improvement"
     gain = sig["any_improvement"]
     assert gain["t"] == pytest.approx(-0.2217, abs=1e-4) and gain["p_value"] == pytest.approx(0.5823, abs=1e-4)
+    # session 17's runs of the shipped layout with the U-Net skips rewired, as reproduce printed them on the H100
+    rewired = significance(read_baseline([str(p) for p in kept_gpu_log_paths("unet17")]), baseline)
+    assert rewired["improvement_nats"] == pytest.approx(-0.00165, abs=1e-5) and not rewired["is_record"]
+    assert rewired["t"] == pytest.approx(-2.898, abs=1e-3) and rewired["p_value"] == pytest.approx(0.9779, abs=1e-4)
+    assert rewired["any_improvement"]["t"] == pytest.approx(-0.718, abs=1e-3)
 
 
 def test_seed_run_problems():
