@@ -257,6 +257,9 @@ def check_runs(logs: list[RunLogData]) -> list[SeedResult]:
     results = []
     for log in logs:
         final = log.require_final()
+        if log.fresh_runs > 1:  # a run_id used again appends; the folder would ship every run's lines
+            raise ValueError(f"{log.source}: holds {log.fresh_runs} runs appended under one run_id (hint: copy the "
+                             "last run's lines, from its last `run ...` line, into a log of its own)")
         problem = final_problem(final)
         if problem:
             raise ValueError(f"{log.source}: not a scored run within the cap ({problem})")

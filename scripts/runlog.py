@@ -1,12 +1,14 @@
-"""Read a train.py run log (logs/<run_id>.txt, or the run's captured stdout) back into data; the
-atomic file writer of the scripts that turn logs into plots and records.
+"""Read a train.py run log (logs/<run_id>.txt) back into data; stream_run, which runs train.py and reads its
+stdout the same way (its last line, the bare final JSON, apart).
 
 A log is plain text; the machine-readable lines are `<kind> {json}` written by
 training.run_log.RunLog.record / .final, plus the header lines `run …`, `versions {json}` and
 `config {json}`. Everything else (phase timings, quantization notes) is for people and is skipped.
 
 A resumed run appends to the same file, so step numbers can go back: the records from the resumed
-step on replace the ones the interrupted process had written, leaving one trajectory.
+step on replace the ones the interrupted process had written, leaving one trajectory. A run that is not
+a resume (train.resume empty) but reuses a run_id also appends: its `config` line starts the data afresh,
+so nothing of the earlier run is read as its own, and `fresh_runs` counts such runs.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class RunLogData:
     evals: list[dict] = field(default_factory=list)        # periodic evals (they carry "step")
     stage_evals: dict[str, dict] = field(default_factory=dict)  # end-of-run evals by stage
     final: dict | None = None
+    fresh_runs: int = 0                          # `config` lines of runs that did not resume (see the module doc)
 
     @property
     def label(self) -> str:
@@ -105,8 +108,11 @@ def _apply_line(log: RunLogData, line: str, where: str) -> None:
         _append_in_order(log.evals, record, where)
     elif kind == "final":
         log.final = record
-    elif kind == "config":  # a run's first record: one appended after a finished run is not that run's final
-        log.config, log.final = record, None
+    elif kind == "config":  # a run's first record: what an earlier process wrote ends here
+        resumed = isinstance(record.get("train"), dict) and bool(record["train"].get("resume"))
+        if not resumed:  # a run_id used again: the earlier run's steps and evals are not this run's
+            log.steps, log.evals, log.fresh_runs = [], [], log.fresh_runs + 1
+        log.config, log.final, log.stage_evals = record, None, {}
     else:
         log.versions = record
 
@@ -122,10 +128,16 @@ def parse_lines(lines, source: str) -> RunLogData:
 
 def parse_log(path: str | Path) -> RunLogData:
     path = Path(path)
+    if path.is_dir():
+        raise LogFormatError(f"{path}: a folder, not a run log (hint: train.py writes logs/<run_id>.txt)")
     if not path.is_file():
         raise FileNotFoundError(f"run log {path} does not exist (hint: train.py writes logs/<run_id>.txt)")
-    with open(path, encoding="utf-8") as f:
-        return parse_lines(f, str(path))
+    try:
+        with open(path, encoding="utf-8") as f:
+            return parse_lines(f, str(path))
+    except UnicodeDecodeError:
+        raise LogFormatError(f"{path}: not a text log (hint: train.py's log is logs/<run_id>.txt; an artifact or "
+                             "a checkpoint is binary)") from None
 
 
 def stream_run(command: list[str], label: str, env: dict | None = None,

@@ -210,10 +210,13 @@ def test_bad_runs_are_refused_and_nothing_is_written(tiny_seed_runs, tmp_path):
     assert '"max_tokens": 0,' in lines[config]
     lines[config] = lines[config].replace('"max_tokens": 0,', '"max_tokens": 1000,')
     subset.write_text("\n".join(lines) + "\n")
+    twice = tmp_path / "twice.txt"  # the run_id used again: the folder would ship both runs' lines
+    twice.write_text(tiny_seed_runs.logs[0].read_text() * 2)
     cases = [([unfinished], "unfinished.txt: no `final"), ([over], "over the 16,000,000-byte cap"),
              ([unscored], "unscored.txt: not a scored run within the cap \\(no artifact: even all-int5 is over\\)"),
              ([subset], "subset.txt: scored on the first eval.max_tokens=1000 validation tokens only"),
-             ([tiny_seed_runs.logs[0]] * 2, "runs share a seed")]
+             ([tiny_seed_runs.logs[0]] * 2, "runs share a seed"),
+             ([twice], r"twice.txt: holds 2 runs appended under one run_id")]
     for runs, message in cases:
         with pytest.raises(SystemExit, match=message):
             export_record.main(["--runs", *map(str, runs), "--out", str(tmp_path / "rec")])

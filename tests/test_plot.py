@@ -68,6 +68,30 @@ def test_a_run_appended_after_a_finished_one_has_no_final_yet():
     assert appended.final is None and appended.config == {"train": {"seed": 2}}
 
 
+def test_a_run_id_used_again_starts_afresh_and_a_resume_continues():
+    """A re-run appended to a log (a run_id used again, train.resume empty) used to keep the earlier run's evals:
+    a crashed re-run was plotted with the earlier run's artifact score (found by a review). A resumed run keeps the
+    trajectory and drops only the end-of-run evals of the process it continues."""
+    first = ['config {"train": {"seed": 1, "resume": ""}}', 'step {"step": 50, "loss": 3.0}',
+             'eval {"step": 50, "val_bpb": 1.9}', 'eval {"stage": "artifact", "val_bpb": 1.5}', 'final {"val_bpb": 1.5}']
+    again = parse_lines([*first, 'config {"train": {"seed": 1, "resume": ""}}', 'step {"step": 25, "loss": 4.0}'],
+                        "a.txt")
+    assert ([s["step"] for s in again.steps], again.evals, again.stage_evals, again.final) == ([25], [], {}, None)
+    assert again.fresh_runs == 2
+    resumed = parse_lines([*first[:3], 'config {"train": {"seed": 1, "resume": "latest"}}',
+                           'step {"step": 60, "loss": 2.9}'], "b.txt")
+    assert [s["step"] for s in resumed.steps] == [50, 60] and resumed.evals == [{"step": 50, "val_bpb": 1.9}]
+    assert resumed.fresh_runs == 1
+
+
+def test_a_file_that_is_no_text_log_is_named(tmp_path):
+    (tmp_path / "a.mhcg").write_bytes(b"MHCGOLF\x00\xe4\xff\x00")
+    with pytest.raises(LogFormatError, match=r"a.mhcg: not a text log"):  # a UnicodeDecodeError traceback before
+        parse_log(tmp_path / "a.mhcg")
+    with pytest.raises(LogFormatError, match=r": a folder, not a run log"):
+        parse_log(tmp_path)
+
+
 def test_bad_json_names_file_and_line():
     with pytest.raises(LogFormatError, match=r"broken.txt:2: `step` line is not valid JSON"):
         parse_lines(['step {"step": 1, "loss": 5.0}', 'step {"step": 2, "loss"'], "broken.txt")
