@@ -31,7 +31,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from data.files import write_atomic  # noqa: E402
-from scripts.runlog import stream_run  # noqa: E402
+from scripts.runlog import output_problem, stream_run  # noqa: E402
 from training.config import ConfigError, load_config  # noqa: E402
 from training.run_log import log_path  # noqa: E402
 
@@ -66,7 +66,10 @@ def parse_variant(text: str) -> Variant:
     if not sep or not NAME.match(name):
         raise SystemExit(f"--variant {text!r}: expected NAME=\"section.key=value ...\" with NAME made of letters, "
                          "digits, '.', '_' or '-' (it becomes part of the run id)")
-    return Variant(name, shlex.split(overrides))
+    try:
+        return Variant(name, shlex.split(overrides))
+    except ValueError as e:  # an unclosed quote
+        raise SystemExit(f"--variant {text!r}: the overrides do not split as a shell would ({e})") from None
 
 
 def check_configs(config: str, common: list[str], variants: list[Variant], prefix: str) -> None:
@@ -165,13 +168,25 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--config", required=True)
     p.add_argument("--variant", action="append", required=True, metavar='NAME="OVERRIDES"',
                    help="a named set of section.key=value overrides (repeat for each variant)")
-    p.add_argument("--gpus", default="0", help="comma-separated GPU indices, one run each at a time, or 'none'")
+    p.add_argument("--gpus", default=None, help="comma-separated GPU indices, one run each at a time, or 'none' "
+                   "for CPU runs (default: every visible GPU, or 'none' without one)")
     p.add_argument("--parallel", type=int, default=1, help="with --gpus none: CPU runs at a time")
     p.add_argument("--prefix", default="ablate", help="run ids are PREFIX-NAME")
     p.add_argument("--out", default=None, help="write the summary as JSON here (atomically)")
     args = p.parse_args(argv)
     if args.parallel < 1:
         p.error(f"--parallel {args.parallel}: expected >= 1")
+    import torch
+    visible = torch.cuda.device_count()
+    if args.gpus is None:
+        args.gpus = ",".join(map(str, range(visible))) or "none"
+    if args.gpus != "none":
+        gpus = [g.strip() for g in args.gpus.split(",")]
+        if not all(g.isdigit() for g in gpus) or len(set(gpus)) != len(gpus) or any(int(g) >= visible for g in gpus):
+            p.error(f"--gpus {args.gpus}: expected distinct GPU indices below {visible} (the GPUs visible here), "
+                    "or 'none' for CPU runs (hint: an index no GPU has hides them all, and the run goes to the CPU)")
+    if args.out and (problem := output_problem(args.out, folder=False)):
+        p.error(f"--out {args.out}: {problem}")
     if not NAME.match(args.prefix):
         p.error(f"--prefix {args.prefix!r}: letters, digits, '.', '_' or '-' only")
     return args, common
@@ -181,13 +196,12 @@ def main(argv=None) -> int:
     args, common = parse_args(sys.argv[1:] if argv is None else list(argv))
     variants = [parse_variant(text) for text in args.variant]
     check_configs(args.config, common, variants, args.prefix)
-    slots = [None] * args.parallel if args.gpus == "none" else [g.strip() for g in args.gpus.split(",") if g.strip()]
-    if not slots:
-        raise SystemExit("--gpus: expected GPU indices like 0,1 or 'none'")
+    slots = [None] * args.parallel if args.gpus == "none" else [g.strip() for g in args.gpus.split(",")]
     run_all(args.config, common, variants, slots, args.prefix)
     rows = summary_rows(variants)
     print("\n" + format_table(rows))
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(args.out, (json.dumps({"config": args.config, "common": common, "runs": rows}, indent=1)
                                 + "\n").encode())
     return 0 if all(r["status"] == "ok" for r in rows) else 1

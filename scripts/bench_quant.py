@@ -33,6 +33,7 @@ from data.shards import ShardError, list_shards, require_disjoint  # noqa: E402
 from data.tokenizer import TokenizerError, build_byte_lut, file_sha256, load_sp  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from scripts.ablate import parse_variant, split_common  # noqa: E402
+from scripts.runlog import output_problem  # noqa: E402
 from scripts.evaluate import evaluate_artifact  # noqa: E402
 from training.config import ConfigError, load_config, to_dict  # noqa: E402
 from training.distributed import init_distributed  # noqa: E402
@@ -100,7 +101,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="a named set of quant.key=value overrides (repeat for each variant)")
     p.add_argument("--keep", type=Path, default=None, help="keep the artifacts here as NAME.mhcg (default: discard)")
     p.add_argument("--out", default=None, help="write the table as JSON here (atomically)")
-    return p.parse_args(argv), common
+    args = p.parse_args(argv)
+    for flag, path, folder in (("--out", args.out, False), ("--keep", args.keep, True)):
+        if path and (problem := output_problem(path, folder)):
+            p.error(f"{flag} {path}: {problem}")
+    return args, common
 
 
 def main(argv=None) -> int:

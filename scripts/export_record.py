@@ -35,7 +35,7 @@ from data.files import current_umask, write_atomic  # noqa: E402
 from quant.size import CAP_BYTES  # noqa: E402
 from scripts.record_rule import Scored, final_problem, read_baseline, significance  # noqa: E402
 from scripts.reproduce import SeedResult, build_submission  # noqa: E402
-from scripts.runlog import LogFormatError, RunLogData, parse_log  # noqa: E402
+from scripts.runlog import LogFormatError, RunLogData, output_problem, parse_log  # noqa: E402
 from scripts.train_gpt_template import BOOTSTRAP  # noqa: E402
 from training.checkpoint import replace_folder  # noqa: E402
 from training.config import ConfigError, load_config  # noqa: E402
@@ -313,6 +313,8 @@ def main(argv=None) -> Path:
                         "record counts) or as readable literals")
     a = p.parse_args(argv)
     out = Path(a.out)
+    if problem := output_problem(out, folder=True):
+        p.error(f"--out {out}: {problem}")
     name = a.name or out.name
     try:
         logs = [parse_log(path) for path in a.runs]

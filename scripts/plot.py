@@ -27,7 +27,7 @@ if str(REPO) not in sys.path:  # `python scripts/plot.py` as well as `python -m 
     sys.path.insert(0, str(REPO))
 
 from data.files import write_atomic  # noqa: E402
-from scripts.runlog import LogFormatError, RunLogData, parse_log  # noqa: E402
+from scripts.runlog import LogFormatError, RunLogData, output_problem, parse_log  # noqa: E402
 
 AXES = {"step": ("step", "step"), "time": ("train_time_s", "training time (s)"),
         "tokens": ("step", "training tokens (millions)")}  # tokens: step x train.batch_tokens
@@ -135,6 +135,11 @@ def plot_logs(paths: list[str | Path], out: str | Path) -> list[Path]:
         save_png_atomic(fig, path)
         plt.close(fig)
         written.append(path)
+    for kind in ("loss", "bpb"):  # an earlier call's plot that this one has no data for would pass as this one's
+        for axis in AXES:
+            stale = out / f"{kind}_vs_{axis}.png"
+            if stale not in written:
+                stale.unlink(missing_ok=True)
     return written
 
 
@@ -143,6 +148,8 @@ def main(argv=None) -> list[Path]:
     p.add_argument("logs", nargs="+", help="train.py logs (logs/<run_id>.txt)")
     p.add_argument("--out", default="plots", help="folder for the PNG files (default: plots)")
     a = p.parse_args(argv)
+    if problem := output_problem(a.out, folder=True):
+        p.error(f"--out {a.out}: {problem}")
     try:
         written = plot_logs(a.logs, a.out)
     except (LogFormatError, FileNotFoundError) as e:

@@ -37,7 +37,8 @@ if str(REPO) not in sys.path:  # `python scripts/reproduce.py` as well as `pytho
 from data.files import write_atomic  # noqa: E402
 from scripts.record_rule import (RECORD_MARGIN_NATS, ComparisonError, Scored, final_problem,  # noqa: E402
                                  read_baseline, significance)
-from scripts.runlog import LogFormatError, RunLogData, parse_lines, parse_log, stream_run  # noqa: E402
+from scripts.runlog import (LogFormatError, RunLogData, output_problem, parse_lines, parse_log,  # noqa: E402
+                            stream_run)
 from scripts.stats import mean_std  # noqa: E402
 from training.config import Config, ConfigError, load_config, to_dict  # noqa: E402
 from training.run_log import log_path  # noqa: E402
@@ -284,6 +285,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if a.baseline and (len(a.baseline) < 2 or len(a.seeds) < 2):
         p.error(f"--baseline with {len(a.baseline)} log(s) and {len(a.seeds)} seed(s): Welch's t-test needs at "
                 "least 2 runs on each side")
+    if a.out and (problem := output_problem(a.out, folder=True)):  # before the seeds run, not after
+        p.error(f"--out {a.out}: {problem}")
     missing = [log for log in a.baseline if not Path(log).is_file()]
     if missing:  # a shell glob that matched nothing arrives as the pattern itself
         p.error(f"--baseline {missing[0]}: no such log file"

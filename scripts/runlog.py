@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,6 +139,25 @@ def parse_log(path: str | Path) -> RunLogData:
     except UnicodeDecodeError:
         raise LogFormatError(f"{path}: not a text log (hint: train.py's log is logs/<run_id>.txt; an artifact or "
                              "a checkpoint is binary)") from None
+
+
+def output_problem(path: str | Path, folder: bool) -> str | None:
+    """Why `path` cannot receive a script's output (a file, or with folder=True a folder to fill), or None. Checked
+    before anything runs, so that the output of hours of runs is not lost at the end: the path must not be of the
+    other kind, and its nearest existing folder must take a new file (tried, not inferred from permissions, which
+    root passes even where nothing can be written)."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != folder:
+        return f"{path} exists and is {'a file' if folder else 'a folder'}"
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file, so {path} cannot be made"
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        return f"{existing} does not take new files ({e.strerror})"
+    return None
 
 
 def stream_run(command: list[str], label: str, env: dict | None = None,

@@ -1,5 +1,6 @@
 """scripts.ablate: variants checked before any run, scheduled over GPU slots, real tiny CPU runs compared."""
 import json
+import os
 
 import pytest
 
@@ -42,6 +43,37 @@ def test_variants_are_checked_before_anything_runs(monkeypatch, tmp_path):
         ablate.main(["--config", CONFIG, "--variant", "bad name=model.n_streams=1"])
     with pytest.raises(SystemExit):
         ablate.main(["--config", CONFIG, "--variant", "a=", "--parallel", "0", "--gpus", "none"])
+
+
+def test_gpus_overrides_and_out_are_checked_before_anything_runs(tmp_path, monkeypatch):
+    """Found by a review: --gpus 0,1 on a machine without them (or --gpus a, which hides every GPU) silently ran on
+    the CPU; an unclosed quote in a variant was a traceback; an --out that cannot be written failed after every
+    variant had trained."""
+    monkeypatch.setattr(ablate, "run_all", lambda *a: pytest.fail("nothing may run"))
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    for gpus in ("0,2", "a", "0,0"):
+        with pytest.raises(SystemExit):
+            ablate.main(["--config", CONFIG, "--variant", "a=", "--gpus", gpus])
+    with pytest.raises(SystemExit, match="the overrides do not split as a shell would"):
+        ablate.main(["--config", CONFIG, "--variant", "a=model.n_streams=1 \"unclosed", "--gpus", "none"])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):
+        ablate.main(["--config", CONFIG, "--variant", "a=", "--gpus", "none", "--out", str(tmp_path / "file" / "x")])
+    args, _ = ablate.parse_args(["--config", CONFIG, "--variant", "a="])
+    assert args.gpus == "0,1"  # every visible GPU by default
+
+
+def test_output_paths_are_checked_by_trying_them(tmp_path):
+    from scripts.runlog import output_problem
+    (tmp_path / "file").write_text("")
+    assert output_problem(tmp_path / "new" / "deeper" / "x.json", folder=False) is None
+    assert output_problem(tmp_path / "file", folder=True) == f"{tmp_path / 'file'} exists and is a file"
+    assert output_problem(tmp_path, folder=False) == f"{tmp_path} exists and is a folder"
+    inside_a_file = tmp_path / "file" / "x"
+    assert output_problem(inside_a_file, folder=True).endswith(f"is a file, so {inside_a_file} cannot be made")
+    if os.path.isdir("/proc/self"):  # root passes permission checks, but nothing can be made in /proc
+        assert "does not take new files" in output_problem("/proc/nodir/a.json", folder=False)
+    assert not list(tmp_path.glob(".write-check-*"))
 
 
 def test_a_variant_whose_log_exists_is_refused_before_anything_runs(tmp_path, monkeypatch):

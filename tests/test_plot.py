@@ -153,10 +153,17 @@ def test_cli_writes_pngs_atomically(tmp_path, capsys):
 
 
 def test_cli_without_any_bpb_writes_only_loss_plots(tmp_path, capsys):
+    """...and removes an earlier call's BPB plots from the folder, which would otherwise pass as this call's."""
+    scored = write_log(tmp_path / "s.txt", "run-s", [3.0, 2.0], evals={1: 1.8}, final_bpb=1.6)
+    plot.main([str(scored), "--out", str(tmp_path / "plots")])
+    assert (tmp_path / "plots" / "bpb_vs_step.png").exists()
     a = write_log(tmp_path / "a.txt", "run-a", [3.0, 2.0])
     written = plot.main([str(a), "--out", str(tmp_path / "plots")])
     assert sorted(p.name for p in written) == ["loss_vs_step.png", "loss_vs_time.png"]
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["loss_vs_step.png", "loss_vs_time.png"]
     assert "no validation BPB" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # an --out that is a file: one line, not a FileExistsError traceback
+        plot.main([str(a), "--out", str(a)])
 
 
 def test_log_without_steps_is_an_error_naming_the_file(tmp_path, capsys):

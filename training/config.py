@@ -73,6 +73,8 @@ class EvalConfig:
                 raise ValueError(f"eval.{name}={getattr(self, name)} must be >= 0 ({what})")
         if self.batch_seqs < 1:
             raise ValueError(f"eval.batch_seqs={self.batch_seqs} must be >= 1 (windows per forward pass)")
+        if self.max_tokens == 1:  # one token leaves nothing to predict (BPB would divide by zero bytes)
+            raise ValueError("eval.max_tokens=1 scores no token: 0 (every token) or >= 2")
 
 
 @dataclass
