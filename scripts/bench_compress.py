@@ -145,6 +145,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--table-patterns", default="*embed*", help="fnmatch patterns of 2-D tensors stored int8")
     p.add_argument("--threads", type=int, default=0, help="brotli-chunks compression threads (0: one per CPU)")
     args = p.parse_args(argv)
+    if not all(w.strip().isdigit() for w in args.widths.split(",")):
+        p.error(f"--widths {args.widths!r}: expected comma-separated integers, e.g. 5,6")
+    sizes = (("--layers", args.layers), ("--d-model", args.d_model), ("--vocab", args.vocab), ("--heads", args.heads),
+             ("--kv-heads", args.kv_heads), ("--mlp-mult", args.mlp_mult))
+    bad = [f"{name} {value}" for name, value in sizes if not value > 0] + \
+        [f"--threads {args.threads}"] * (args.threads < 0)
+    if bad:
+        p.error(f"{bad[0]}: sizes must be > 0 (and --threads >= 0, 0 = one per CPU)")
     args.widths = [int(w) for w in args.widths.split(",")]
     args.layouts, args.compressors = args.layouts.split(","), args.compressors.split(",")
     args.table_patterns = [s for s in args.table_patterns.split(",") if s]

@@ -126,14 +126,16 @@ def main(argv=None) -> list[dict]:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
-    if a.profile < 0:
-        p.error(f"--profile takes a number of steps >= 0, got {a.profile}")
+    if a.profile < 0 or a.steps < 1 or a.warmup < 0:
+        p.error(f"need --steps >= 1, --warmup >= 0 and --profile >= 0, got {a.steps}, {a.warmup} and {a.profile}")
     try:  # every variant's config before the first one compiles (an override may not suit them all)
         configs = [load_config(a.config, variant_overrides(name, a.overrides)) for name in names]
+        dist = init_distributed(configs[0].train.device)  # train.device=cuda without a GPU is a ConfigError
     except ConfigError as e:
         p.error(str(e))
-    device = configs[0].train.device
-    dist = init_distributed(device)
+    if dist.device.type != "cuda":  # the Triton variants would time the PyTorch fallback under their names
+        print0("bench_step: no GPU: the *-kernels variants run the PyTorch reference here, and the default config is "
+               "the record-size model (hint: --config configs/demo.toml for a CPU check)", file=sys.stderr)
     rows = []
     print0("| variant | ranks | params | ms/step | tokens/s | MFU % | peak GiB (rank 0) | warm-up s | last loss |")
     print0("|---|---|---|---|---|---|---|---|---|")

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from scripts import bench_step
 
@@ -96,3 +97,17 @@ def test_a_variant_the_overrides_do_not_suit_is_refused_before_any_runs(monkeypa
 def test_unknown_variant_is_refused():
     with pytest.raises(SystemExit):
         bench_step.main(["--variants", "n3-fast"])
+
+
+def test_counts_and_a_missing_gpu_are_one_line_each(monkeypatch, capsys):
+    """--steps 0 divided by zero and --steps -1 failed on an unbound name; train.device=cuda without a GPU was a
+    traceback from the process-group setup (found by a review)."""
+    monkeypatch.setattr(bench_step, "bench_variant", lambda *a, **k: pytest.fail("a variant ran"))
+    for flags in (["--steps", "0"], ["--steps", "-1"], ["--warmup", "-1"]):
+        with pytest.raises(SystemExit):
+            bench_step.main([*flags, "--variants", "n1-ref"])
+        assert "need --steps >= 1, --warmup >= 0" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            bench_step.main(["--variants", "n1-ref", "train.device=cuda"])
+        assert "Traceback" not in capsys.readouterr().err

@@ -105,3 +105,10 @@ def test_interpreted_kernels_and_bad_arguments_are_refused(monkeypatch):
     for bad in (["--n", "3"], ["--C", "40"], ["--tokens", "0"]):
         with pytest.raises(SystemExit):
             KR.main(bad)
+
+
+def test_an_architecture_it_cannot_compile_for_is_refused_by_argparse():
+    """--arch 10 used to abort inside LLVM (exit 134, no Python message; found by a review)."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts/kernel_resources.py"), "--arch", "10"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "argument --arch: invalid choice: 10 (choose from 80, 86, 89, 90)" in done.stderr

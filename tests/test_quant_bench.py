@@ -52,9 +52,18 @@ def test_artifact_state_npz(tmp_path, capsys):
     assert "w.npz, 3 tensors, 1,040 parameters" in capsys.readouterr().out
 
 
-def test_bad_inputs(tmp_path):
+def test_bad_inputs(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--synthetic", "--widths", "4"])
+    # each of these was a traceback or accepted silently (found by a review)
+    for flags, says in ((["--widths", "a"], "--widths 'a': expected comma-separated integers"),
+                        (["--widths", ""], "--widths '': expected comma-separated integers"),
+                        (["--vocab", "0"], "--vocab 0: sizes must be > 0"),
+                        (["--layers", "-1"], "--layers -1: sizes must be > 0"),
+                        (["--threads", "-3"], "--threads -3: sizes must be > 0 (and --threads >= 0")):
+        with pytest.raises(SystemExit):
+            bench.main(["--synthetic", *flags])
+        assert says in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--synthetic", "--compressors", "gzip"])
     with pytest.raises(SystemExit):
