@@ -285,6 +285,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if a.baseline and (len(a.baseline) < 2 or len(a.seeds) < 2):
         p.error(f"--baseline with {len(a.baseline)} log(s) and {len(a.seeds)} seed(s): Welch's t-test needs at "
                 "least 2 runs on each side")
+    if a.nproc_per_node is not None and a.nproc_per_node < 1:
+        p.error(f"--nproc-per-node {a.nproc_per_node}: expected >= 1 (processes per seed)")
     if a.out and (problem := output_problem(a.out, folder=True)):  # before the seeds run, not after
         p.error(f"--out {a.out}: {problem}")
     missing = [log for log in a.baseline if not Path(log).is_file()]

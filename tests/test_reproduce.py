@@ -266,6 +266,8 @@ def test_dry_run_prints_one_command_per_seed(capsys):
     (["--seeds", "1", "--baseline", "a.txt", "b.txt"], "at least 2 runs on each side"),
     (["--seeds", "1,2", "model.n_streams=2"], "hint: config overrides go after --, e.g. -- model.n_streams=2"),
     (["--seeds", "1,2", "--baseline", "logs/nope*.txt", "logs/x.txt"], "--baseline logs/nope*.txt: no such log file"),
+    (["--seeds", "1,2", "--nproc-per-node", "-2"], "--nproc-per-node -2: expected >= 1"),
+    (["--seeds", "1,2", "--out", f"{REPO}/README.md"], f"--out {REPO}/README.md: {REPO}/README.md exists and is a file"),
     (["--seeds", "1,2", "--baseline", "README.md", "README.md", "model.n_streams=2"],
      "--baseline model.n_streams=2: no such log file (hint: config overrides go after --"),
 ])
