@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None):
             from scripts import bench_mlp
         except ImportError as e:
             raise SystemExit(f"bench_kernels.py mlp: scripts/bench_mlp.py could not be imported ({e})") from e
-        return bench_mlp.main(argv[1:])
+        return bench_mlp.main(argv[1:], prog="bench_kernels.py mlp")
     return mhc_main(argv[1:])
 
 

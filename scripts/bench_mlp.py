@@ -26,8 +26,8 @@ from kernels.mlp_reference import mlp_reference
 PEAK_SIZE = 8192
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=98_304, help="rows of x (tokens in one micro-batch)")
     p.add_argument("--d-model", type=int, default=512, help="model width D")
     p.add_argument("--hidden", type=int, default=1792, help="MLP hidden width H")
@@ -190,8 +190,9 @@ def time_impls(impls: dict, x, w_up, w_down, rep_ms: int) -> dict[str, dict[str,
     return times
 
 
-def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, dict[str, float]]:
+    """prog: the program name its usage shows (bench_kernels.py mlp runs this one)."""
+    args = parse_args(argv, prog)
     if not torch.cuda.is_available():
         raise SystemExit("bench_mlp: needs a CUDA GPU (torch.cuda.is_available() is False)")
     torch.manual_seed(0)
