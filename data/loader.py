@@ -31,7 +31,7 @@ import torch
 
 from data.shards import HEADER_BYTES, ShardError, read_shard
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: ranks take equal shares of all shards' blocks (format 1's split differs when world_size > 1)
 _PHASE_TAG = 0x5EED  # separates the per-shard phase stream from the per-batch shard-choice stream
 
 
@@ -94,6 +94,7 @@ class TokenLoader:
             raise ValueError(f"TokenLoader: {len(self.files)} usable shard(s) of {len(shards)} hold {worst} sequences "
                              f"of seq_len + 1 = {seq_len + 1} tokens in a pass, fewer than world_size {world_size} "
                              "(hint: more data, a shorter data.seq_len, or fewer ranks)")
+        self._inodes = [(st.st_dev, st.st_ino) for st in map(os.stat, self.files)]  # a file renamed over it: not ours
         self.vocab_size = vocab_size
         self.seq_len, self.batch_seqs = seq_len, batch_seqs
         self.rank, self.world_size, self.seed = rank, world_size, seed
@@ -159,7 +160,11 @@ class TokenLoader:
     def _gather(self, rows: list[tuple[int, int]]) -> torch.Tensor:
         """Token rows [batch_seqs, seq_len + 1] as int32, pinned when bound for a GPU."""
         for s in {s for s, _ in rows}:  # a shard cut short under its memory map would kill the process (SIGBUS)
-            if os.path.getsize(self.files[s]) < HEADER_BYTES + 2 * len(self.tokens[s]):
+            try:
+                st = os.stat(self.files[s])
+            except FileNotFoundError:
+                continue  # moved or deleted: the map still holds the file
+            if (st.st_dev, st.st_ino) == self._inodes[s] and st.st_size < HEADER_BYTES + 2 * len(self.tokens[s]):
                 raise ShardError(f"{self.files[s]}: shorter than when training started: overwritten in place? "
                                  "(hint: replace shards by renaming a finished file into place, as data.prepare "
                                  "and data.download do)")
@@ -285,6 +290,8 @@ class TokenLoader:
 
     def load_state_dict(self, d: dict) -> None:
         mine = self.state_dict()
+        if d.get("format") == 1 and self.world_size == 1:  # one rank's order is the same in both formats
+            d = {**d, "format": STATE_FORMAT}
         for key in ("format", "seed", "rank", "world_size", "seq_len", "files"):
             if d.get(key) != mine[key]:
                 raise ValueError(f"TokenLoader.load_state_dict: state has {key}={d.get(key)!r} but this loader has "

@@ -107,8 +107,9 @@ def run_all(config: str, common: list[str], variants: list[Variant], slots: list
 
     def worker(slot: str | None) -> None:
         env = dict(os.environ)
-        if slot is not None:
-            env["CUDA_VISIBLE_DEVICES"] = slot
+        if slot is not None:  # slot is an index among the GPUs this process sees: map it to what the child sees
+            granted = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+            env["CUDA_VISIBLE_DEVICES"] = granted[int(slot)] if granted else slot
         while True:
             try:
                 v = todo.get_nowait()

@@ -273,3 +273,18 @@ def test_cuda_path_matches_cpu_path(shards, prefetch):
         expect = [gpu.next_batch()[0].cpu() for _ in range(5)]
         gpu.load_state_dict(state)
         assert all(torch.equal(e, gpu.next_batch()[0].cpu()) for e in expect)
+
+
+def test_a_shard_renamed_over_or_moved_keeps_training_from_its_map(tmp_path):
+    """The size check named a shard that was replaced by a rename (what the hint recommends) or moved away, though
+    the memory map still held the intact file (found by a review of the check); an old single-rank state loads."""
+    path = tmp_path / "s.bin"
+    write_shard(path, np.arange(5000))
+    with TokenLoader([str(path)], 16, 2, prefetch=0) as loader:
+        loader.next_batch()
+        write_shard(path, np.arange(3000))  # a new, shorter file renamed into place
+        loader.next_batch()
+        os.remove(path)
+        loader.next_batch()
+        state = {**loader.state_dict(), "format": 1}
+        loader.load_state_dict(state)  # format 1 = format 2 for one rank

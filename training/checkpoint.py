@@ -177,9 +177,11 @@ class Checkpointer:
 
 def optimizer_settings(optimizers) -> dict[tuple[str, str], object]:
     """{(group, key): value} of every fixed optimizer setting: all of a param group but its tensors and what the
-    schedule sets at each step (lr, and Muon's momentum during its warmup)."""
+    schedule sets at each step (lr, and Muon's momentum during its warmup), and the implementation flags that follow
+    the device (AdamW's fused is True on CUDA, None on CPU: a CPU checkpoint resumes on a GPU)."""
     return {(group.get("name", "?"), key): value for opt in optimizers for group in opt.param_groups
-            for key, value in group.items() if key not in ("params", "lr", "momentum")}
+            for key, value in group.items()
+            if key not in ("params", "lr", "momentum", "fused", "foreach", "capturable", "differentiable")}
 
 
 def load_checkpoint(path: Path, model, optimizers, ema, loader, rank: int, world_size: int) -> Resumed:
