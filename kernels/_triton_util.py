@@ -242,10 +242,13 @@ def phi_operand(phi: torch.Tensor, stream_dtype: torch.dtype, lowp: bool) -> tor
     return phi.t().to(stream_dtype if lowp else torch.float32).contiguous()
 
 
+KERNEL_STREAMS = (2, 4, 8)  # the stream counts the kernels are tested at (model/config.py checks configs early)
+
+
 def check_streams(n: int, C: int, where: str) -> None:
-    if n < 2 or n & (n - 1):
-        raise ValueError(f"{where}: the Triton mHC kernels need n_streams a power of two >= 2, got n={n}; "
-                         "hint: use n in {2, 4, 8} or set mhc_kernels=false to run the PyTorch reference")
+    if n not in KERNEL_STREAMS:
+        raise ValueError(f"{where}: the Triton mHC kernels take n_streams in {KERNEL_STREAMS}, got n={n}; "
+                         "hint: use one of those or set mhc_kernels=false to run the PyTorch reference")
     if C % 16:
         raise ValueError(f"{where}: the Triton mHC kernels need the stream width C to be a multiple of 16, "
                          f"got C={C}; hint: pick d_model a multiple of 16 or set mhc_kernels=false")

@@ -12,6 +12,10 @@ from dataclasses import dataclass
 MAX_BIGRAM_VOCAB = 46339
 ATTENTION_BACKENDS = ("auto", "sdpa", "fa3")
 MHC_GRANULARITIES = ("sublayer", "block")
+# What the Triton mHC kernels are built and tested for (kernels/_triton_util.py::KERNEL_STREAMS, kept equal by
+# tests/test_config.py): stream counts, and the stream width's multiple (tl.dot tiles are 16 wide).
+KERNEL_STREAMS = (2, 4, 8)
+KERNEL_WIDTH_MULTIPLE = 16
 
 
 @dataclass
@@ -103,6 +107,15 @@ class ModelConfig:
             raise ValueError(f"model.mhc_blocks={self.mhc_blocks} needs n_streams >= 2, got n_streams="
                              f"{self.n_streams} (hint: a single stream has no mHC; set "
                              "model.mhc_blocks=0 as well)")
+        if self.mhc_kernels and self.n_streams > 1:
+            if self.n_streams not in KERNEL_STREAMS:
+                raise ValueError(f"model.n_streams={self.n_streams} with model.mhc_kernels=true: the Triton kernels "
+                                 f"take {', '.join(map(str, KERNEL_STREAMS))} streams (hint: pick one of those, or "
+                                 "set model.mhc_kernels=false to run the PyTorch reference)")
+            if self.d_model % KERNEL_WIDTH_MULTIPLE:
+                raise ValueError(f"model.d_model={self.d_model} with model.mhc_kernels=true: the Triton kernels need "
+                                 f"a multiple of {KERNEL_WIDTH_MULTIPLE} (hint: round d_model, or set "
+                                 "model.mhc_kernels=false)")
         if self.unet_skips and self.n_layers < 2:
             raise ValueError(f"model.unet_skips needs n_layers >= 2 (got {self.n_layers}): "
                              "one encoder and one decoder block")

@@ -157,3 +157,24 @@ def test_every_config_field_is_read_by_the_code():
             if not re.search(rf"\.{f.name}\b", sources):
                 dead.append(f"{section.name}.{f.name}")
     assert not dead, f"config fields never read by the code: {dead}"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.n_streams=3"], "model.n_streams=3 with model.mhc_kernels=true: the Triton kernels take 2, 4, 8"),
+    (["model.n_streams=16"], "model.n_streams=16 with model.mhc_kernels=true"),
+    (["model.d_model=520", "model.n_heads=8"], "model.d_model=520 with model.mhc_kernels=true"),
+])
+def test_shapes_the_mhc_kernels_cannot_take_are_refused_when_the_config_loads(overrides, message):
+    """Before, n_streams=3 with the kernels loaded and failed inside the first forward, after setup."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, ["model.mhc_kernels=true", *overrides])
+    load_config(None, ["model.mhc_kernels=false", *overrides])  # the reference takes any shape
+
+
+def test_the_config_and_the_kernels_agree_on_the_stream_counts():
+    triton_util = pytest.importorskip("kernels._triton_util")
+    from model.config import KERNEL_STREAMS, KERNEL_WIDTH_MULTIPLE
+    assert triton_util.KERNEL_STREAMS == KERNEL_STREAMS
+    with pytest.raises(ValueError, match="multiple of 16"):
+        triton_util.check_streams(4, KERNEL_WIDTH_MULTIPLE + 8, "test")
+    triton_util.check_streams(4, KERNEL_WIDTH_MULTIPLE, "test")
