@@ -83,10 +83,10 @@ def collect_hessians(model: nn.Module, modules: dict[str, nn.Linear], calib_batc
     for that dtype (an fp32 calibration of the mHC model spent 34 s compiling fp32 Triton variants).
     """
     device = next(model.parameters()).device
-    collector = HessianCollector(modules, observed)
-    if observed and not hasattr(model, "quant_observer"):
+    if observed and not hasattr(model, "quant_observer"):  # before the collector hooks the modules
         raise TypeError(f"{type(model).__name__} has no quant_observer attribute, so the inputs of "
                         f"{list(observed)[:3]} cannot be observed; hint: quantize them as int8 tables instead")
+    collector = HessianCollector(modules, observed)
     was_training, tokens = model.training, 0
     model.eval()
     if observed:

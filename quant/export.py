@@ -17,6 +17,7 @@ Which tensor gets which treatment (by state_dict name):
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import time
@@ -51,6 +52,7 @@ def plan_tensors(model: nn.Module, table_patterns: Iterable[str] = (),
                  observed_patterns: Iterable[str] = ()) -> TensorPlan:
     state = model.state_dict()
     _refuse_aliases(state)
+    _refuse_non_finite(state)
     plan = TensorPlan()
     embeddings = set()
     for mod_name, module in model.named_modules():
@@ -93,11 +95,29 @@ def _refuse_aliases(state: dict[str, torch.Tensor]) -> None:
         seen[key] = name
 
 
+def _refuse_non_finite(state: dict[str, torch.Tensor]) -> None:
+    """A NaN weight would surface later as a Hessian error or a failed read-back check, naming neither the
+    tensor nor the cause."""
+    for name, tensor in state.items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"{name} holds NaN or Inf, so the model cannot be quantized (hint: the run diverged; "
+                             "lower the learning rate, or resume from an earlier checkpoint)")
+
+
 def small_tensor(tensor: torch.Tensor) -> np.ndarray:
     t = tensor.detach().cpu()
     if t.is_floating_point():
         return t.float().numpy().astype(np.float32 if t.numel() <= FP32_MAX_NUMEL else np.float16)
     return t.numpy().copy()
+
+
+@contextlib.contextmanager
+def _naming(name: str):
+    """Prefix a quantizer's ValueError (a NaN Hessian, a shape) with the matrix it was quantizing."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from e
 
 
 def quantize_matrices(plan: TensorPlan, hessians: dict[str, torch.Tensor], method: str, min_bits: int = LOW_BITS,
@@ -112,10 +132,9 @@ def quantize_matrices(plan: TensorPlan, hessians: dict[str, torch.Tensor], metho
     for name, module in plan.linears.items():
         h = hessians[name]
         weight = module.weight.detach().to(h.device)
-        if method == "gptq":
-            results = gptq_quantize(weight, h, widths)
-        else:
-            results = {b: rtn_quantize(weight, b, h) for b in widths}
+        with _naming(name):
+            results = gptq_quantize(weight, h, widths) if method == "gptq" else {
+                b: rtn_quantize(weight, b, h) for b in widths}
         candidates[name] = {b: qt for b, (qt, _) in results.items()}
         errors = {b: err for b, (_, err) in results.items()}
         if row_weights is not None:
@@ -134,7 +153,8 @@ def quantize_observed(plan: TensorPlan, hessians: dict[str, torch.Tensor], metho
     for name, weight in plan.observed.items():
         h = hessians[name]
         w = weight.detach().to(h.device)
-        qt, err = gptq_quantize(w, h, (bits,))[bits] if method == "gptq" else rtn_quantize(w, bits, h)
+        with _naming(name):
+            qt, err = gptq_quantize(w, h, (bits,))[bits] if method == "gptq" else rtn_quantize(w, bits, h)
         quantized[name] = qt
         rows.append({"name": name, "bits": bits, "shape": list(w.shape), "err": err,
                      "trace_h_per_in": float(torch.trace(h)) / h.shape[0]})

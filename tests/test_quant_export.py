@@ -154,6 +154,28 @@ def test_an_artifact_that_fails_its_check_never_replaces_the_old_one(tmp_path, m
     assert path.read_bytes() == before and [f.name for f in tmp_path.iterdir()] == ["run.mhcg"]
 
 
+@pytest.mark.parametrize("name", ["blocks.1.up.weight", "blocks.1.norm", "scale", "embed.weight"])
+def test_a_non_finite_tensor_is_named_before_anything_is_quantized(tmp_path, name):
+    """NaN in a norm gain was reported as an overflowing Hessian, in a scalar as a failed read-back check; none
+    named the tensor."""
+    torch.manual_seed(0)
+    m = TinyGPT()
+    with torch.no_grad():
+        m.get_parameter(name).view(-1)[0] = float("nan")
+    with pytest.raises(ValueError, match=f"^{name} holds NaN or Inf.*hint: the run diverged"):
+        run_export(m, tmp_path / "x.art", 10**7)
+    assert not (tmp_path / "x.art").exists()
+
+
+def test_a_quantizer_error_names_its_matrix(model):
+    from quant.export import quantize_matrices
+    plan = plan_tensors(model)
+    hessians = {name: torch.eye(lin.in_features) for name, lin in plan.linears.items()}
+    hessians["blocks.2.down.weight"] = torch.full_like(hessians["blocks.2.down.weight"], float("inf"))
+    with pytest.raises(ValueError, match="^blocks.2.down.weight: Hessian holds NaN or Inf"):
+        quantize_matrices(plan, hessians, "gptq")
+
+
 def test_export_refuses_tied_weights(tmp_path):
     m = TinyGPT()
     m.head = nn.Linear(32, 64, bias=False)

@@ -93,9 +93,12 @@ def test_gptq_beats_round_to_nearest_on_phi(tmp_path):
 
 def test_observed_matrices_need_an_observer_and_a_known_width(tmp_path):
     from test_quant_export import TinyGPT  # no quant_observer attribute
+    tiny = TinyGPT()
     with pytest.raises(TypeError, match="no quant_observer attribute"):
-        export_artifact(TinyGPT(), batches(), str(tmp_path / "t.mhcg"), META, 10**7, log=lambda _: None,
+        export_artifact(tiny, batches(), str(tmp_path / "t.mhcg"), META, 10**7, log=lambda _: None,
                         observed_patterns=("mix",))
+    hooked = [name for name, m in tiny.named_modules() if m._forward_hooks]
+    assert hooked == [], f"the refusal left Hessian hooks on {hooked}"
     with pytest.raises(ValueError, match="observed_bits=7"):
         export_artifact(mhc_model(), batches(), str(tmp_path / "m.mhcg"), META, 10**7, log=lambda _: None,
                         observed_patterns=("mhc.*.phi",), observed_bits=7)
