@@ -108,6 +108,18 @@ def test_calibration_on_training_tokens_is_checked_against_its_reserve():
     assert calibration_within_reserve(generated, 99.0, lines.append) is None
 
 
+@pytest.mark.parametrize("seqs,source", [(10, "train"), (3, "train"), (16, "train"), (10, "generated")])
+def test_calibration_takes_exactly_quant_calib_seqs_sequences(demo_dir, tmp_path, seqs, source):
+    """Training-token calibration rounded quant.calib_seqs up to a multiple of 8 (10 gave 16)."""
+    from training.export import calibration_batches
+    cfg = load_config(None, tiny_overrides(demo_dir, tmp_path) + [f"quant.calib_seqs={seqs}",
+                                                                  f"quant.calib_source={source}"])
+    model = GPT(cfg.model)
+    files = sorted(map(str, demo_dir.glob("fineweb_train_*.bin")))
+    batches = calibration_batches(cfg, model, files, torch.device("cpu"))
+    assert sum(b.shape[0] for b in batches) == seqs and all(b.shape[1] == cfg.data.seq_len for b in batches)
+
+
 class SliceLoader:
     """Hands out fixed slices of one global batch: rank r of W, micro-step m gets slice m*W + r."""
 

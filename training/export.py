@@ -55,8 +55,10 @@ def calibration_batches(cfg: Config, model, train_files: list[str], device: torc
     loader = TokenLoader(train_files, seq_len, batch, seed=cfg.train.seed + CALIB_SEED_OFFSET,
                          shards_per_batch=cfg.data.shards_per_batch, prefetch=2, device=device,
                          vocab_size=cfg.model.vocab_size)
-    try:
-        return [loader.next_batch()[0] for _ in range(-(-q.calib_seqs // batch))]
+    try:  # the last batch is cut to what is left, so exactly calib_seqs sequences are calibrated on
+        batches = [loader.next_batch()[0] for _ in range(-(-q.calib_seqs // batch))]
+        batches[-1] = batches[-1][:q.calib_seqs - batch * (len(batches) - 1)]
+        return batches
     finally:
         loader.close()
 
