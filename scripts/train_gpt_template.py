@@ -15,9 +15,11 @@ and the @COUNT@ local modules that train.py imports, embedded verbatim in MODULE
 An import hook serves the embedded sources under their own module names (packages included), so
 `from model.gpt import GPT` inside them works as in the repository. A module runs on its first
 import, which keeps optional dependencies (triton, wandb) optional. The code counted in the size
-of the record is this whole file.
+of the record is this whole file and the config file it trains with (its hyperparameters).
 """
+import argparse
 import base64
+import functools
 import importlib.abc
 import importlib.machinery
 import json
@@ -80,9 +82,17 @@ def write_sources(out: Path) -> None:
     print(f"wrote {len(MODULES)} modules under {out}")
 
 
-def script_code_bytes(repo_root=None, patterns=None):
-    """Replaces quant.size.code_bytes: the code this record ships is this one file."""
-    return Path(__file__).stat().st_size
+def script_code_bytes(config, repo_root=None, patterns=None):
+    """Replaces quant.size.code_bytes: the code this record ships is this one file and the config it runs."""
+    config = Path(config)
+    return Path(__file__).stat().st_size + (config.stat().st_size if config.is_file() else 0)
+
+
+def config_path(argv):
+    """The --config a run is given (train.py parses it again, with the overrides)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--config", default=str(HERE / "config.toml"))
+    return p.parse_known_args(argv)[0].config
 
 
 def main(argv):
@@ -92,7 +102,7 @@ def main(argv):
         return write_sources(Path(argv[1]))
     sys.meta_path.insert(0, EmbeddedModules())
     import quant.size
-    quant.size.code_bytes = script_code_bytes  # before train's imports bind the name
+    quant.size.code_bytes = functools.partial(script_code_bytes, config_path(argv))  # before train's imports bind it
     import train
     return train.cli(argv, default_config=str(HERE / "config.toml"))  # bad input: one line, as train.py prints
 

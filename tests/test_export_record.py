@@ -118,10 +118,10 @@ def test_record_folder_contents(tiny_seed_runs, tmp_path, capsys):
     for seed, log in zip(TINY_SEEDS, tiny_seed_runs.logs):
         assert (out / f"train_seed{seed}.log").read_bytes() == log.read_bytes()
     sub = json.loads((out / "submission.json").read_text())
-    script_bytes = (out / "train_gpt.py").stat().st_size
+    code = (out / "train_gpt.py").stat().st_size + (out / "config.toml").stat().st_size
     finals = [parse_log(p).require_final() for p in tiny_seed_runs.logs]
-    assert sub["bytes_code"] == script_bytes, "the record counts the code it ships: train_gpt.py"
-    assert sub["bytes_total"] == max(f["artifact_bytes"] for f in finals) + script_bytes
+    assert sub["bytes_code"] == code, "the record counts the code it ships: train_gpt.py and its config.toml"
+    assert sub["bytes_total"] == max(f["artifact_bytes"] for f in finals) + code
     assert (sub["name"], sub["github_id"], sub["seeds"]) == ("tiny mhc", "tester", list(TINY_SEEDS))
     assert sub["val_bpb"] == tiny_seed_runs.submission["val_bpb"]
     requirements = (out / "requirements.txt").read_text()
@@ -142,6 +142,7 @@ def test_code_flag_ships_the_sources_plain_and_counts_those_bytes(tiny_seed_runs
     assert embedded_sources(script)["training.trainer"] == (False, (REPO / "training/trainer.py").read_text())
     sizes = {out.name: (out / "train_gpt.py").stat().st_size for out in (packed, plain)}
     assert sizes["plain"] > 2 * sizes["packed"]
+    sizes = {name: size + (tmp_path / name / "config.toml").stat().st_size for name, size in sizes.items()}
     for out in (packed, plain):
         sub = json.loads((out / "submission.json").read_text())
         assert sub["bytes_code"] == sizes[out.name]
@@ -210,13 +211,17 @@ def test_bad_runs_are_refused_and_nothing_is_written(tiny_seed_runs, tmp_path):
     assert '"max_tokens": 0,' in lines[config]
     lines[config] = lines[config].replace('"max_tokens": 0,', '"max_tokens": 1000,')
     subset.write_text("\n".join(lines) + "\n")
+    late = tmp_path / "late.txt"  # calibration on training tokens ran past the budget's reserve
+    late.write_text(tiny_seed_runs.logs[1].read_text()
+                    + f"final {json.dumps({**final, 'calib_within_reserve': False, 'calib_total_s': 9.0})}\n")
     twice = tmp_path / "twice.txt"  # the run_id used again: the folder would ship both runs' lines
     twice.write_text(tiny_seed_runs.logs[0].read_text() * 2)
     cases = [([unfinished], "unfinished.txt: no `final"), ([over], "over the 16,000,000-byte cap"),
              ([unscored], "unscored.txt: not a scored run within the cap \\(no artifact: even all-int5 is over\\)"),
              ([subset], "subset.txt: scored on the first eval.max_tokens=1000 validation tokens only"),
              ([tiny_seed_runs.logs[0]] * 2, "runs share a seed"),
-             ([twice], r"twice.txt: holds 2 runs appended under one run_id")]
+             ([twice], r"twice.txt: holds 2 runs appended under one run_id"),
+             ([late], r"late.txt: .*calibration on training tokens took 9.0 s, past the run's quant.calib_reserve_s")]
     for runs, message in cases:
         with pytest.raises(SystemExit, match=message):
             export_record.main(["--runs", *map(str, runs), "--out", str(tmp_path / "rec")])
@@ -247,7 +252,7 @@ def test_record_reproduces_the_repository_run_from_an_empty_folder(tiny_seed_run
     assert {k: final[k] for k in floats} == pytest.approx({k: logged.final[k] for k in floats}, rel=1e-5)
     assert [s["loss"] for s in again.steps] == pytest.approx([s["loss"] for s in logged.steps], rel=1e-5)
     assert [e["val_bpb"] for e in again.evals] == pytest.approx([e["val_bpb"] for e in logged.evals], rel=1e-5)
-    assert final["code_bytes"] == (record / "train_gpt.py").stat().st_size
+    assert final["code_bytes"] == (record / "train_gpt.py").stat().st_size + (record / "config.toml").stat().st_size
     assert (record / "runs" / "again.mhcg").stat().st_size == final["artifact_bytes"]
     # Its command line is train.py's: --config is optional (the record's config.toml), bad input is one line.
     usage = subprocess.run([sys.executable, "train_gpt.py", "--help"], cwd=record, capture_output=True, text=True,
