@@ -131,18 +131,24 @@ def _gptq_columns(work: torch.Tensor, upper: torch.Tensor, scales: torch.Tensor,
 
 
 def _inverse_hessian_factor(hessian: torch.Tensor, damp_frac: float) -> torch.Tensor:
-    """Upper Cholesky factor U of (H + damping)⁻¹, with dead columns given diag 1 first."""
+    """Upper Cholesky factor U of (H + damping)⁻¹. H is first divided by its mean live diagonal: GPTQ's codes do
+    not change with H's scale, and at scale 1 neither factorization meets under- or overflow (H ~ 1e-42 failed
+    the second one). Dead columns (zero diagonal) then get diag 1, the live mean, so they neither dominate
+    nor vanish from the damping."""
     h = hessian.clone()
     diag = torch.diagonal(h)
     dead = diag == 0
+    if not dead.all():
+        h /= diag[~dead].mean()
     diag[dead] = 1.0
     damp = damp_frac * float(diag.mean())
     eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
     for attempt in range(4):  # numerically indefinite H (tiny calibration sets): retry with 10x damping
         chol, info = torch.linalg.cholesky_ex(h + damp * eye)
         if int(info) == 0:
-            inv = torch.cholesky_inverse(chol)
-            return torch.linalg.cholesky(inv, upper=True)
+            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(chol), upper=True)
+            if int(info) == 0:
+                return upper
         damp *= 10.0
     raise RuntimeError(f"GPTQ: Hessian [{h.shape[0]}x{h.shape[0]}] is not positive definite even with damping "
                        f"{damp / 10:.3g}; hint: calibrate on more tokens")

@@ -167,3 +167,17 @@ def test_generate_calibration_tokens():
         assert int(greedy[0, 1]) == int(model(greedy[:, :1])[0, -1].argmax())
     with pytest.raises(ValueError, match="temperature"):
         generate_calibration_tokens(model, 1, 4, temperature=0.0)
+
+
+def test_gptq_codes_do_not_depend_on_the_hessians_scale():
+    """GPTQ is invariant to H's scale; at H ~ 1e-42 the second Cholesky used to fail with a bare _LinAlgError."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 64)
+    x = torch.randn(512, 64)
+    x[:, 3] = 0  # a dead column
+    h = x.T @ x / 512
+    base = gptq_quantize(w, h, (5,))[5][0]
+    for scale in (1e-30, 1e12):
+        assert (gptq_quantize(w, h * scale, (5,))[5][0].codes == base.codes).all(), scale
+    tiny = gptq_quantize(w, h * 1e-42, (5,))[5][0]  # subnormal entries: codes close, and no error
+    assert (tiny.codes != base.codes).mean() < 0.05
