@@ -70,10 +70,12 @@ class ModelConfig:
         for name, low in (("vocab_size", 2), ("n_layers", 1), ("d_model", 1), ("n_heads", 1), ("n_kv_heads", 1),
                           ("sinkhorn_iters", 1), ("logit_softcap", 0), ("embed_init_std", 0)):
             if not getattr(self, name) >= low:  # NaN included
-                raise ValueError(f"model.{name}={getattr(self, name)} must be >= {low}")
+                raise ValueError(f"model.{name}={getattr(self, name)} must be >= {low} (hint: the default is "
+                                 f"{getattr(ModelConfig, name)})")
         for name in ("mlp_mult", "rope_base"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"model.{name}={getattr(self, name)} must be > 0")
+                raise ValueError(f"model.{name}={getattr(self, name)} must be > 0 (hint: the default is "
+                                 f"{getattr(ModelConfig, name)})")
         if self.mlp_hidden < 1:
             raise ValueError(f"model.mlp_mult={self.mlp_mult} gives an MLP of {self.mlp_hidden} channels at "
                              f"d_model={self.d_model} (hint: mlp_mult * d_model must round to >= 1)")

@@ -78,6 +78,7 @@ def test_kill_9_between_checkpoints_then_resume_matches_straight_run(corpus, tmp
     assert after and all(after[s] == ref[s] for s in after), (resumed_at, after, ref)
     assert max(after) == 14
     assert final(tmp_path / "logs/killed.txt")["val_bpb"] == final(straight)["val_bpb"]
+    assert not [key for key in final(straight) if key.startswith("pre_quant")], "eval.pre_quant=false scores no float model"
     # 14 is no multiple of 5: the run still leaves its final state (what bench_quant re-quantizes)
     assert [c.name for c in complete_checkpoints(tmp_path / "runs/checkpoints/killed")] == \
         ["step_00000010", "step_00000014"]

@@ -147,14 +147,16 @@ def test_time_schedule_needs_a_budget():
 
 
 def test_every_config_field_is_read_by_the_code():
-    """No dead flags: each field is read as `.<name>` somewhere outside the config module and tests."""
+    """No dead flags: each field is read as `<section>.<name>` (or through a config object: cfg, config, self, a
+    one-letter alias) somewhere outside the config module and tests. A bare `.<name>` matched torch.compile for
+    train.compile."""
     sources = "\n".join(p.read_text() for p in REPO.glob("**/*.py")
                         if "tests" not in p.parts and p != REPO / "training" / "config.py" and ".dev" not in p.parts)
     dead = []
     for section in dataclasses.fields(Config):
         for f in dataclasses.fields(section.type if isinstance(section.type, type) else
                                     type(getattr(Config(), section.name))):
-            if not re.search(rf"\.{f.name}\b", sources):
+            if not re.search(rf"(\.{section.name}|\b(cfg|config|self|[a-z]))\.{f.name}\b", sources):
                 dead.append(f"{section.name}.{f.name}")
     assert not dead, f"config fields never read by the code: {dead}"
 
@@ -178,3 +180,14 @@ def test_the_config_and_the_kernels_agree_on_the_stream_counts():
     with pytest.raises(ValueError, match="multiple of 16"):
         triton_util.check_streams(4, KERNEL_WIDTH_MULTIPLE + 8, "test")
     triton_util.check_streams(4, KERNEL_WIDTH_MULTIPLE, "test")
+
+
+@pytest.mark.parametrize("override,hint", [
+    ("model.n_layers=0", "hint: the default is 11"), ("optim.lr_floor=2", "hint: the default is"),
+    ("train.log_every=0", "hint: the default is"), ("model.d_model=500", "hint: a head is d_model / n_heads"),
+    ("model.n_kv_heads=3", "hint: each key/value head serves"), ("train.checkpoint_keep=0", "hint: it counts the"),
+    ("train.device=gpu", "hint: auto takes cuda"),
+])
+def test_config_refusals_carry_a_hint(override, hint):
+    with pytest.raises(ConfigError, match=re.escape(hint)):
+        load_config(None, [override])

@@ -380,3 +380,23 @@ def test_width_and_init_options_reach_the_layers():
     cos, sin = attentions[0].rope(4)  # position 1's angles are the inverse frequencies base^(-2i/dim)
     dim = cfg.rotary_dims
     assert torch.allclose(torch.atan2(sin[1], cos[1]), 500.0 ** -(torch.arange(0, dim, 2) / dim))
+
+
+def test_sinkhorn_iters_reaches_every_mhc_call(monkeypatch):
+    """model.sinkhorn_iters is the number of Sinkhorn rounds of every mHC coefficient call, and it changes the logits."""
+    from kernels import mhc_reference
+    seen = []
+    real = mhc_reference.sinkhorn_knopp
+
+    def counting(logits, iters):
+        seen.append(iters)
+        return real(logits, iters)
+    monkeypatch.setattr(mhc_reference, "sinkhorn_knopp", counting)
+    logits = {}
+    for iters in (2, 20):
+        torch.manual_seed(0)
+        model = randomize_(GPT(tiny(n_streams=4, sinkhorn_iters=iters))).eval()
+        seen.clear()
+        logits[iters] = model(tokens())
+        assert len(seen) == 2 * model.cfg.n_layers and set(seen) == {iters}, seen
+    assert not torch.allclose(logits[2], logits[20], atol=1e-5)

@@ -36,10 +36,18 @@ def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path,
     wandb = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     monkeypatch.delenv("WANDB_PROJECT", raising=False)  # it would override train.wandb_project
+    loaders, real_loader = [], train.TokenLoader
+
+    def spy_loader(*args, **kw):
+        loaders.append(kw)
+        return real_loader(*args, **kw)
+    monkeypatch.setattr(train, "TokenLoader", spy_loader)
     final = train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
                         "quant.phi_bits=5", "train.time_budget_s=600", "quant.calib_reserve_s=30",  # steps end it
-                        "train.checkpoint_every=10", "train.checkpoint_keep=3",
-                        "train.wandb=true", "train.wandb_project=golf-test"])
+                        "train.checkpoint_every=10", "train.checkpoint_keep=3", "data.shards_per_batch=1",
+                        "data.prefetch=3", "train.wandb=true", "train.wandb_project=golf-test"])
+    # data.shards_per_batch and data.prefetch (not their defaults, 4 and 4) reach the training loader
+    assert [(kw["shards_per_batch"], kw["prefetch"]) for kw in loaders] == [(1, 3)]
     # train.checkpoint_keep (3, not the default 2): of the checkpoints at steps 10, 20, 30 and 40 the newest three
     checkpoints = tmp_path / "runs" / "checkpoints" / "tiny"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000020", "step_00000030", "step_00000040"]

@@ -239,22 +239,28 @@ def validate(cfg: Config) -> None:
         cfg.eval.validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    defaults = Config()
     for key, low in AT_LEAST:
         if not _value(cfg, key) >= low:  # NaN included
-            raise ConfigError(f"{key}={_value(cfg, key)} must be >= {low}")
+            raise ConfigError(f"{key}={_value(cfg, key)} must be >= {low} (hint: the default is "
+                              f"{_value(defaults, key)})")
     for key, one_allowed in FRACTIONS:
         value = _value(cfg, key)
         if not (0 <= value <= 1 if one_allowed else 0 <= value < 1):
-            raise ConfigError(f"{key}={value} must be in [0, 1{']' if one_allowed else ')'}")
+            raise ConfigError(f"{key}={value} must be in [0, 1{']' if one_allowed else ')'} (hint: the default is "
+                              f"{_value(defaults, key)})")
     grad_accum_steps(cfg, 1)  # and for the world size, where train.py knows it
     if m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads}")
+        raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads} (hint: a head "
+                          "is d_model / n_heads channels wide)")
     if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads}")
+        raise ConfigError(f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads} (hint: "
+                          "each key/value head serves n_heads / n_kv_heads query heads)")
     if t.schedule not in ("steps", "time"):
         raise ConfigError(f"train.schedule={t.schedule!r}: expected 'steps' or 'time'")
     if t.schedule == "time" and t.time_budget_s <= 0:
-        raise ConfigError("train.schedule='time' needs train.time_budget_s > 0")
+        raise ConfigError("train.schedule='time' needs train.time_budget_s > 0 (hint: or train.schedule=steps, "
+                          "which decays the learning rate over train.max_steps)")
     q = cfg.quant
     for key, value, allowed, what in (
             ("method", q.method, METHODS, ""),
@@ -270,13 +276,17 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"quant.cap_bytes={q.cap_bytes:,} is above the challenge's {CAP_BYTES:,}-byte cap (hint: "
                           "it can only be lowered, to export a smaller artifact)")
     if t.time_budget_s and cfg.quant.calib_reserve_s >= t.time_budget_s:
-        raise ConfigError(f"quant.calib_reserve_s={cfg.quant.calib_reserve_s} must be < train.time_budget_s")
+        raise ConfigError(f"quant.calib_reserve_s={cfg.quant.calib_reserve_s} must be < train.time_budget_s="
+                          f"{t.time_budget_s} (hint: it is the part of the budget kept for GPTQ calibration; a few "
+                          "seconds suffice)")
     if t.resume == "latest" and not t.run_id:
         raise ConfigError("train.resume=latest needs train.run_id=NAME (the default run id is new every run)")
     if t.checkpoint_keep < 1:
-        raise ConfigError(f"train.checkpoint_keep={t.checkpoint_keep} must be >= 1")
+        raise ConfigError(f"train.checkpoint_keep={t.checkpoint_keep} must be >= 1 (hint: it counts the newest "
+                          "checkpoints kept on disk; train.checkpoint_every=0 writes none)")
     if t.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"train.device={t.device!r}: expected auto, cpu or cuda")
+        raise ConfigError(f"train.device={t.device!r}: expected auto, cpu or cuda (hint: auto takes cuda where "
+                          "a GPU is visible)")
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
