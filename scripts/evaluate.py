@@ -4,8 +4,8 @@
 
 Prints one JSON line: val_loss, val_bpb, tokens, bytes, context, stride, artifact_bytes, code_bytes,
 total_bytes. train.py's final line comes from `evaluate_artifact` below: the same code path. Unless
---context / --stride / --max-tokens say otherwise, it scores as the run did (its eval.context,
-eval.stride and eval.max_tokens, recorded in the artifact), so the number is train.py's.
+--context / --stride / --max-tokens / --batch-seqs say otherwise, it scores as the run did (its eval.context,
+eval.stride, eval.max_tokens and eval.batch_seqs, recorded in the artifact), so the number is train.py's.
 """
 from __future__ import annotations
 

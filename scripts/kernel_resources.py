@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--C", type=int, default=512, help="stream width (a multiple of 16)")
     p.add_argument("--tokens", type=int, default=98_304, help="tokens (only their divisibility by 16 matters)")
     p.add_argument("--arch", type=int, default=90, choices=(80, 86, 89, 90),
-                   help="compute capability x10 to compile for (90: H100/H200; others abort inside LLVM)")
+                   help="compute capability x10 to compile for (90: H100/H200; the choices are limited to these "
+                        "four because other values abort inside LLVM)")
     p.add_argument("--sweep", action="store_true", help="also the block configurations bench_kernels.py --sweep times")
     args = p.parse_args(argv)
     if args.n < 2 or args.n & (args.n - 1) or args.C <= 0 or args.C % 16 or args.tokens <= 0:
