@@ -1,6 +1,7 @@
 """End to end on CPU: train.py on a tiny demo corpus; distributed steps equal single-process steps."""
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -249,6 +250,23 @@ def test_a_validation_shard_under_another_name_is_refused(demo_dir, tmp_path, li
     with pytest.raises(ShardError, match=rf"fineweb_train_999999.bin is the validation shard {val} \({kind};"):
         train.main(["--config", str(REPO / "configs/demo.toml"), *overrides,
                     f"data.train_files={train_dir}/fineweb_train_*.bin"])
+
+
+@pytest.mark.parametrize("tokens,message", [([1], "1 validation token(s) leave no target to score"),
+                                            ([1, 1, 1], "the 2 validation targets decode to no bytes")])
+def test_validation_with_nothing_to_score_is_refused_at_setup(demo_dir, tmp_path, tokens, message):
+    """It trained the whole budget, then divided by zero in the evaluation (found by a review)."""
+    import numpy as np
+
+    import train
+    from data.shards import write_shard
+    from training.evaluate import ByteAuditError
+    write_shard(tmp_path / "fineweb_val_000000.bin", np.array(tokens, dtype=np.uint16))
+    overrides = [o for o in tiny_overrides(demo_dir, tmp_path) if not o.startswith("data.val_files=")]
+    with pytest.raises(ByteAuditError, match=re.escape(message)):
+        train.main(["--config", str(REPO / "configs/demo.toml"), *overrides,
+                    f"data.val_files={tmp_path}/fineweb_val_*.bin"])
+    assert not (tmp_path / "logs" / "tiny.txt").exists(), "refused before the run log, so before any training"
 
 
 def test_shards_the_model_cannot_read_are_named_and_a_stub_shard_is_left_out(demo_dir, tmp_path):

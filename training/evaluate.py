@@ -79,7 +79,13 @@ class ByteAuditError(ValueError):
 def require_byte_audit(tokens: np.ndarray, sp, lut: ByteLUT, shards: str, tokenizer: str) -> int:
     """BPB's denominator for `tokens` (read from `shards`), checked against the decoded text: raises
     ByteAuditError where they differ, as with shards tokenized by another tokenizer."""
+    if len(tokens) < 2:  # found now, not by a division by zero after training
+        raise ByteAuditError(f"{shards}: {len(tokens)} validation token(s) leave no target to score (hint: the "
+                             "validation shards are empty or cut short; eval.max_tokens, if set, must be >= 2)")
     counted, decoded = audit_bytes(tokens, sp, lut)
+    if counted == 0:
+        raise ByteAuditError(f"{shards}: the {len(tokens) - 1:,} validation targets decode to no bytes, so bits per "
+                             "byte is undefined (hint: shards of document separators only?)")
     if counted != decoded:
         raise ByteAuditError(f"byte accounting mismatch on {shards}: counted {counted:,} bytes, the decoded text "
                              f"has {decoded:,} (hint: are these shards tokenized with {tokenizer}?)")
