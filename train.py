@@ -103,7 +103,12 @@ def main(argv=None, default_config: str | None = None) -> dict:
     except ConfigError as e:
         failure = e
     fail_together(failure, "wandb.init")
-    log = RunLog(log_path(cfg.train.log_dir, run_id), dist.rank == 0, wandb_run)
+    log, failure = None, None
+    try:  # rank 0 alone opens the log file
+        log = RunLog(log_path(cfg.train.log_dir, run_id), dist.rank == 0, wandb_run)
+    except Exception as e:
+        failure = e
+    fail_together(failure, "to open the run log")
     log(f"run {run_id}  commit {git_commit(REPO)}  world_size {dist.world_size}  device {device}")
     log("versions " + json.dumps(versions()))
     log("config " + json.dumps(to_dict(cfg), sort_keys=True))
@@ -130,6 +135,27 @@ def main(argv=None, default_config: str | None = None) -> dict:
         step_model = torch.compile(model) if cfg.train.compile else model
         log(f"phase setup {time.perf_counter() - t_setup:.1f} s")
         return train_and_ship(cfg, dist, model, step_model, optimizers, loader, val, n_params, log)
+
+
+def find_checkpoint(cfg: Config, dist, ckpt_dir: Path) -> tuple[Checkpointer, Path | None]:
+    """The checkpointer, and the checkpoint to resume from. Rank 0 repairs what a killed run left in the folder and
+    chooses; every rank gets its choice, so ranks that see the folder differently (other nodes) cannot resume
+    from different steps, and a failure there stops every rank."""
+    checkpointer, chosen, failure = None, None, None
+    try:
+        checkpointer = Checkpointer(ckpt_dir, cfg.train.checkpoint_every, cfg.train.checkpoint_keep, dist.rank,
+                                    dist.world_size)  # rank 0 repairs the folder
+        if dist.rank == 0:
+            chosen = resolve_resume(cfg.train.resume, ckpt_dir)
+            refuse_later_checkpoints(ckpt_dir, checkpoint_step(chosen) if chosen is not None else 0)
+    except Exception as e:
+        failure = e
+    fail_together(failure, f"to find the checkpoint to resume from in {ckpt_dir}")
+    if dist.world_size > 1:
+        holder = [None if chosen is None else str(chosen)]
+        torch.distributed.broadcast_object_list(holder, src=0)
+        chosen = None if holder[0] is None else Path(holder[0])
+    return checkpointer, chosen
 
 
 class Validation(NamedTuple):
@@ -164,19 +190,21 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
     """Train within the budget (resuming if asked), export the capped artifact, score it: the final record."""
     device, run_id = dist.device, cfg.train.run_id
     ckpt_dir = REPO / cfg.train.out_dir / "checkpoints" / run_id
-    resume_from = resolve_resume(cfg.train.resume, ckpt_dir)
     # before the compile warm-up (minutes on a GPU): periodic or not, a signal writes a checkpoint
-    refuse_later_checkpoints(ckpt_dir, checkpoint_step(resume_from) if resume_from is not None else 0)
+    checkpointer, resume_from = find_checkpoint(cfg, dist, ckpt_dir)
     if cfg.train.resume == "latest" and resume_from is None:  # said, so that a misspelt run_id is noticed
         log(f"train.resume=latest: no checkpoint in {ckpt_dir}, so the run starts at step 0")
     if cfg.train.compile:
         warm_up_compile(step_model, model, loader, optimizers, cfg, grad_accum_steps(cfg, dist.world_size), device, log)
     ema = maybe_ema(model, cfg.optim)
-    checkpointer = Checkpointer(ckpt_dir, cfg.train.checkpoint_every, cfg.train.checkpoint_keep, dist.rank,
-                                dist.world_size)
-    start = Resumed(step=0, train_time_s=0.0)
-    if resume_from is not None:
-        start = load_checkpoint(resume_from, model, optimizers, ema, loader, dist.rank, dist.world_size)
+    start, failure = Resumed(step=0, train_time_s=0.0), None
+    if resume_from is not None:  # the same path on every rank, so every rank takes this branch
+        try:
+            start = load_checkpoint(resume_from, model, optimizers, ema, loader, dist.rank, dist.world_size)
+        except Exception as e:  # a damaged part of one rank, say
+            failure = e
+        fail_together(failure, f"to load its part of {resume_from}")
+        require_same_on_every_rank(start.step, "a resumed step", "every node must see the same checkpoint folder")
         log(f"resumed from {resume_from}: step {start.step}, {start.train_time_s:.1f} s of training done")
 
     def evaluate(m=model) -> dict:

@@ -196,9 +196,30 @@ def setup_worker(rank: int, world: int, port: int, data: str, out_dir: str, faul
             "train.run_id=setup"]
     if fault == "audit":
         training.evaluate.audit_bytes = lambda tokens, sp, lut: (1, 2)
-    else:
+    elif fault == "wandb":
         sys.modules["wandb"] = WandbWithoutNetwork()
         argv.append("train.wandb=true")
+    elif fault == "load":  # rank 1's part of the checkpoint it resumes from is damaged
+        from training.checkpoint import CheckpointError, Resumed
+
+        def load(path, *args):
+            if rank == 1:
+                raise CheckpointError(f"{path}/rank1.pt: damaged")
+            return Resumed(step=4, train_time_s=1.0)
+        train.load_checkpoint = load
+        argv += ["train.resume=latest"]
+    else:  # "nan": rank 1's share of the batch gives a NaN loss from step 2 on
+        import training.trainer
+        real_step = training.trainer.train_step
+
+        def step(*args, **kwargs):
+            loss = real_step(*args, **kwargs)  # the real step: the ranks' collectives stay matched
+            step.calls += 1
+            return loss * float("nan") if rank == 1 and step.calls >= 2 else loss
+        step.calls = 0
+        training.trainer.train_step = step
+        argv += ["train.max_steps=4", "train.log_every=2", "train.time_budget_s=0", "train.schedule=steps",
+                 "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1"]
     write_outcome(Path(out_dir, f"setup{rank}.txt"), lambda: train.main(argv) and "trained")
 
 
@@ -217,6 +238,27 @@ def test_a_rank_that_fails_at_setup_stops_every_rank(demo_dir, tmp_path, free_po
     assert (tmp_path / "setup1.txt").read_text() == \
         f"RankFailed: stopped: another rank failed {step} (its own message says why)"
     assert not list(tmp_path.glob("logs/*"))  # the setup check may have made the folder, but no run log is in it
+
+
+def test_a_checkpoint_part_that_fails_to_load_on_one_rank_stops_every_rank(demo_dir, tmp_path, free_port):
+    """Rank 0 went on to the trainer's first collective and waited there for the rank that had failed (gloo's connect
+    timeout is 30 minutes; torchrun killed it after its grace period, without a message)."""
+    (tmp_path / "runs" / "checkpoints" / "setup" / "step_00000004").mkdir(parents=True)
+    ranks = mp.spawn(setup_worker, args=(2, free_port, str(demo_dir), str(tmp_path), "load"), nprocs=2, join=False)
+    join_or_fail(ranks, 120, "rank 0 did not stop when rank 1 failed to load its checkpoint part")
+    where = tmp_path / "runs" / "checkpoints" / "setup" / "step_00000004"
+    assert (tmp_path / "setup1.txt").read_text() == f"CheckpointError: {where}/rank1.pt: damaged"
+    assert (tmp_path / "setup0.txt").read_text() == \
+        f"RankFailed: stopped: another rank failed to load its part of {where} (its own message says why)"
+
+
+def test_a_nan_loss_on_one_ranks_share_stops_every_rank_named(demo_dir, tmp_path, free_port):
+    """Each rank checked its own share's loss: the rank whose share went NaN stopped alone, and the others failed in
+    their next collective with a transport error. The checked (and logged) loss is now the global batch's."""
+    ranks = mp.spawn(setup_worker, args=(2, free_port, str(demo_dir), str(tmp_path), "nan"), nprocs=2, join=False)
+    join_or_fail(ranks, 240, "a rank did not stop when another's loss went NaN")
+    for rank in range(2):
+        assert (tmp_path / f"setup{rank}.txt").read_text().startswith("DivergenceError: loss is nan at step 2 ")
 
 
 def export_worker(rank: int, world: int, port: int, data: str, out_dir: str) -> None:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from training.distributed import fail_together
 
@@ -126,10 +125,14 @@ class Checkpointer:
     def save(self, step: int, train_time_s: float, model, optimizers, ema, loader) -> Path:
         final = self.dir / f"step_{step:08d}"
         tmp = self.dir / f"step_{step:08d}.tmp"
+        failure = None
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self._barrier()
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            except Exception as e:  # the others would wait for the folder in a barrier, without a word
+                failure = e
+        fail_together(failure, f"to create the folder of checkpoint {final.name}")  # a barrier too
         state = {
             "step": step, "train_time_s": train_time_s, "world_size": self.world,
             "optimizers": [o.state_dict() for o in optimizers],
@@ -154,13 +157,17 @@ class Checkpointer:
         except BaseException:  # no half-written folder of possibly gigabytes stays behind
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        failure = None
         if self.rank == 0:
-            self._publish(tmp, final)
-            # the checkpoint just written always stays, with the newest keep - 1 others
-            others = [p for p in complete_checkpoints(self.dir) if p != final]
-            for old in others[:max(0, len(others) - (self.keep - 1))]:
-                shutil.rmtree(old, ignore_errors=True)
-        self._barrier()
+            try:
+                self._publish(tmp, final)
+                # the checkpoint just written always stays, with the newest keep - 1 others
+                others = [p for p in complete_checkpoints(self.dir) if p != final]
+                for old in others[:max(0, len(others) - (self.keep - 1))]:
+                    shutil.rmtree(old, ignore_errors=True)
+            except Exception as e:
+                failure = e
+        fail_together(failure, f"to publish checkpoint {final.name}")  # a barrier too
         return final
 
     @staticmethod
@@ -169,10 +176,6 @@ class Checkpointer:
         step_*.replaced, which _recover finds. train.py never replaces one (it refuses to start beside later
         checkpoints and saves only after its start step); other users of Checkpointer may."""
         replace_folder(tmp, final, final.with_name(final.name + ".replaced"))
-
-    def _barrier(self) -> None:
-        if self.world > 1:
-            dist.barrier()
 
 
 def optimizer_settings(optimizers) -> dict[tuple[str, str], object]:

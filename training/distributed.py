@@ -62,7 +62,19 @@ def init_distributed(device: str = "auto") -> DistInfo:
     # tensor while the interpreter shuts down; taking the GIL there aborts the finished process (SIGABRT).
     importlib.import_module("torch._dynamo")
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+    global _CPU_GROUP
+    # Created now, while every rank is alive: a group created later (at the first step) waits on a rank that died
+    # in between until gloo's 30-minute connect timeout, where an existing one reports the closed connection.
+    _CPU_GROUP = dist.new_group(backend="gloo") if world > 1 and use_cuda else None
     return DistInfo(rank, local_rank, world, dev)
+
+
+_CPU_GROUP = None  # the gloo group of RankAgreement on NCCL runs (a gloo run uses its default group)
+
+
+def cpu_group():
+    """The process group for small host-side collectives: no GPU synchronization."""
+    return _CPU_GROUP
 
 
 def is_initialized() -> bool:
@@ -90,6 +102,8 @@ def barrier() -> None:
 def destroy() -> None:
     """Leave the process group. The groups, and gloo's worker threads, end here unless the caller still
     holds a handle to one (a subgroup kept in an object that outlives this call, say)."""
+    global _CPU_GROUP
+    _CPU_GROUP = None  # no handle outlives the groups (see init_distributed)
     if is_initialized():
         dist.destroy_process_group()
 
@@ -138,16 +152,16 @@ class RankAgreement:
     waits forever in that step's all-reduce, and the time-driven learning rate must be the same for
     replicated parameters. So every step the ranks take the latest clock and any stop request
     (a MAX all-reduce of two numbers) over a CPU (gloo) group: no GPU synchronization in the step.
-    A single process returns its own values."""
+    A single process returns its own values. The group is made by init_distributed, at setup."""
 
     def __init__(self, world: int):
-        self.group = dist.new_group(backend="gloo") if world > 1 else None
+        self.world = world
 
     def __call__(self, now: float, stop: bool) -> tuple[float, bool]:
-        if self.group is None:
+        if self.world == 1:
             return now, stop
         values = torch.tensor([now, float(stop)], dtype=torch.float64)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=cpu_group())
         return values[0].item(), values[1].item() > 0
 
 

@@ -16,7 +16,7 @@ import torch
 
 from training.checkpoint import Checkpointer, Resumed
 from training.config import Config, grad_accum_steps
-from training.distributed import DistInfo, RankAgreement, optimizer_step
+from training.distributed import DistInfo, RankAgreement, all_reduce_mean, optimizer_step
 from training.optim import set_lr_and_momentum
 from training.schedule import lr_multiplier
 
@@ -89,7 +89,7 @@ def run_training(
 
     def record_step(loss: torch.Tensor, lr_mult: float) -> None:
         nonlocal last_log_time, last_log_step
-        loss_val = check_finite(loss, completed)  # the only host sync of a logging step
+        loss_val = check_finite(global_loss(loss), completed)  # the only host sync of a logging step
         train_time = clock()
         tok_s = (completed - last_log_step) * tokens_per_step / max(train_time - last_log_time, 1e-9)
         done = max(min(train_time / budget, 1.0) if budget else 0.0, completed / t.max_steps)
@@ -130,7 +130,8 @@ def run_training(
         # (even during the save) is acted on by all ranks after the next agreement.
         now, stop = agree(clock(), checkpointer is not None and checkpointer.stop_requested)
         if checkpointer is not None and (stop or checkpointer.is_periodic(completed)):
-            check_state_finite(loss, model, ema, completed)  # never replace a good checkpoint with a diverged one
+            # never replace a good checkpoint with a diverged one
+            check_state_finite(global_loss(loss), model, ema, completed)
             sync()
             c0 = time.perf_counter()
             path = checkpointer.save(completed, clock(), model, optimizers, ema, loader)
@@ -147,12 +148,19 @@ def run_training(
             and stopped_by != "signal" and not checkpointer.is_periodic(completed):
         # A run that checkpoints also leaves its final state (what it ships), whatever stopped it:
         # scripts/bench_quant.py re-quantizes it, and resume=latest continues from it.
-        check_state_finite(loss, model, ema, completed)
+        check_state_finite(global_loss(loss), model, ema, completed)
         log(f"checkpoint {checkpointer.save(completed, train_time, model, optimizers, ema, loader)} "
             f"(step {completed}, final)")
     bar.clear()
     return TrainResult(steps=completed, train_time_s=train_time, tokens=completed * tokens_per_step,
                        stopped_by=stopped_by)
+
+
+def global_loss(loss: torch.Tensor) -> torch.Tensor:
+    """The step's loss over the whole global batch (the mean of the ranks' losses). Each rank's own loss covers
+    its share only: logged, it was 1/world_size of the batch, and a NaN on one rank's share stopped that rank
+    alone, leaving the others to fail in their next collective without saying why."""
+    return all_reduce_mean(loss.detach().float().clone())
 
 
 def check_finite(loss: torch.Tensor, step: int) -> float:
