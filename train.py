@@ -79,6 +79,8 @@ def main(argv=None, default_config: str | None = None) -> dict:
     try:
         require_codec(ARTIFACT_CODEC)  # the export needs it after training
         grad_accum_steps(cfg, dist.world_size)  # the batch divides over this world size
+        if device.type == "cuda" and (problem := cfg.model.kernel_problem()):  # not in the first forward
+            raise ConfigError(problem)
         train_files = list_shards(cfg.data.train_files)
         val = load_validation(cfg, train_files, dist.rank)  # before the loader's thread starts: bad paths fail fast
         if dist.rank == 0:  # what rank 0 alone opens
@@ -240,7 +242,8 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
     artifact = REPO / cfg.train.out_dir / f"{run_id}.mhcg"
     export = export_model(cfg, model, train_files=loader.files, rank=dist.rank,
                           world_size=dist.world_size, log=log, artifact_path=artifact,
-                          tokenizer_sha256=file_sha256(cfg.data.tokenizer), device=device)
+                          tokenizer_sha256=file_sha256(cfg.data.tokenizer), device=device,
+                          train_time_s=result.train_time_s)
     final.update(export)
     if "export_error" in export:
         final.update(fits_cap=False)

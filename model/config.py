@@ -65,6 +65,20 @@ class ModelConfig:
     def mlp_hidden(self) -> int:
         return int(round(self.mlp_mult * self.d_model))
 
+    def kernel_problem(self) -> str | None:
+        """Why the Triton mHC kernels cannot take this model, or None. Checked by train.py on a GPU, where they run:
+        elsewhere (CPU without the interpreter) mhc_kernels falls back to the reference, which takes any shape."""
+        if not self.mhc_kernels or self.n_streams == 1:
+            return None
+        if self.n_streams not in KERNEL_STREAMS:
+            return (f"model.n_streams={self.n_streams} with model.mhc_kernels=true: the Triton kernels take "
+                    f"{', '.join(map(str, KERNEL_STREAMS))} streams (hint: pick one of those, or set "
+                    "model.mhc_kernels=false to run the PyTorch reference)")
+        if self.d_model % KERNEL_WIDTH_MULTIPLE:
+            return (f"model.d_model={self.d_model} with model.mhc_kernels=true: the Triton kernels need a multiple "
+                    f"of {KERNEL_WIDTH_MULTIPLE} (hint: round d_model, or set model.mhc_kernels=false)")
+        return None
+
     def validate(self) -> None:
         """Raise ValueError naming the field for options the model cannot build."""
         for name, low in (("vocab_size", 2), ("n_layers", 1), ("d_model", 1), ("n_heads", 1), ("n_kv_heads", 1),
@@ -109,15 +123,6 @@ class ModelConfig:
             raise ValueError(f"model.mhc_blocks={self.mhc_blocks} needs n_streams >= 2, got n_streams="
                              f"{self.n_streams} (hint: a single stream has no mHC; set "
                              "model.mhc_blocks=0 as well)")
-        if self.mhc_kernels and self.n_streams > 1:
-            if self.n_streams not in KERNEL_STREAMS:
-                raise ValueError(f"model.n_streams={self.n_streams} with model.mhc_kernels=true: the Triton kernels "
-                                 f"take {', '.join(map(str, KERNEL_STREAMS))} streams (hint: pick one of those, or "
-                                 "set model.mhc_kernels=false to run the PyTorch reference)")
-            if self.d_model % KERNEL_WIDTH_MULTIPLE:
-                raise ValueError(f"model.d_model={self.d_model} with model.mhc_kernels=true: the Triton kernels need "
-                                 f"a multiple of {KERNEL_WIDTH_MULTIPLE} (hint: round d_model, or set "
-                                 "model.mhc_kernels=false)")
         if self.unet_skips and self.n_layers < 2:
             raise ValueError(f"model.unet_skips needs n_layers >= 2 (got {self.n_layers}): "
                              "one encoder and one decoder block")

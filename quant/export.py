@@ -113,11 +113,12 @@ def small_tensor(tensor: torch.Tensor) -> np.ndarray:
 
 @contextlib.contextmanager
 def _naming(name: str):
-    """Prefix a quantizer's ValueError (a NaN Hessian, a shape) with the matrix it was quantizing."""
+    """Prefix a quantizer's error (a NaN Hessian, a shape, a Hessian GPTQ cannot factorize) with the matrix it was
+    quantizing, keeping its type."""
     try:
         yield
-    except ValueError as e:
-        raise ValueError(f"{name}: {e}") from e
+    except (ValueError, RuntimeError) as e:
+        raise type(e)(f"{name}: {e}") from e
 
 
 def quantize_matrices(plan: TensorPlan, hessians: dict[str, torch.Tensor], method: str, min_bits: int = LOW_BITS,

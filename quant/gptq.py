@@ -151,7 +151,7 @@ def _inverse_hessian_factor(hessian: torch.Tensor, damp_frac: float) -> torch.Te
                 return upper
         damp *= 10.0
     raise RuntimeError(f"GPTQ: Hessian [{h.shape[0]}x{h.shape[0]}] is not positive definite even with damping "
-                       f"{damp / 10:.3g}; hint: calibrate on more tokens")
+                       f"{damp / 10:.3g} x its mean diagonal; hint: calibrate on more tokens")
 
 
 def _check_weight(weight: torch.Tensor) -> torch.Tensor:

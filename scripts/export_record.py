@@ -7,9 +7,9 @@ Writes README.md (per-seed table, how to run), submission.json (scripts.reproduc
 per seed (train_seed<S>.log), requirements.txt, config.toml (the runs' configuration, read back
 from their logs) and train_gpt.py: the repository's train.py and every local module it imports,
 embedded verbatim (xz-compressed unless --code plain) and served by an import hook, so the folder
-runs with no repository around it. The code bytes counted for the record are train_gpt.py's size:
-packed, about half the evaluation code a repository run counts (README gives both sizes), so a record
-fits whenever its runs did. Nothing is written outside --out.
+runs with no repository around it. The code bytes counted for the record are train_gpt.py's size (packed,
+about half the evaluation code a repository run counts; README gives both sizes) plus config.toml's, which it
+trains with, so a record fits whenever its runs did. Nothing is written outside --out.
 """
 from __future__ import annotations
 

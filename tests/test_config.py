@@ -166,11 +166,13 @@ def test_every_config_field_is_read_by_the_code():
     (["model.n_streams=16"], "model.n_streams=16 with model.mhc_kernels=true"),
     (["model.d_model=520", "model.n_heads=8"], "model.d_model=520 with model.mhc_kernels=true"),
 ])
-def test_shapes_the_mhc_kernels_cannot_take_are_refused_when_the_config_loads(overrides, message):
-    """Before, n_streams=3 with the kernels loaded and failed inside the first forward, after setup."""
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(None, ["model.mhc_kernels=true", *overrides])
-    load_config(None, ["model.mhc_kernels=false", *overrides])  # the reference takes any shape
+def test_shapes_the_mhc_kernels_cannot_take_are_named(overrides, message):
+    """train.py refuses them at setup on a GPU (n_streams=3 failed inside the first forward); the config itself loads,
+    as the reference serves mhc_kernels=true where the kernels cannot run (a CPU)."""
+    cfg = load_config(None, ["model.mhc_kernels=true", *overrides])
+    assert message in cfg.model.kernel_problem()
+    assert load_config(None, ["model.mhc_kernels=false", *overrides]).model.kernel_problem() is None
+    assert load_config(None, ["model.mhc_kernels=true"]).model.kernel_problem() is None
 
 
 def test_the_config_and_the_kernels_agree_on_the_stream_counts():

@@ -277,7 +277,7 @@ def export_worker(rank: int, world: int, port: int, data: str, out_dir: str) -> 
     def run() -> str:
         report = export.export_model(cfg, model, train_files=train_files, rank=rank, world_size=world,
                                      log=RunLog(None, enabled=False), artifact_path=Path(out_dir) / "a.mhcg",
-                                     tokenizer_sha256="x", device=torch.device("cpu"))
+                                     tokenizer_sha256="x", device=torch.device("cpu"), train_time_s=0.0)
         return f"report: {report['export_error']}"
     write_outcome(Path(out_dir, f"export{rank}.txt"), run)
 
@@ -310,15 +310,20 @@ def test_ranks_that_see_different_shards_all_stop(tmp_path, free_port):
             "ConfigError: rank 1 sees other training shards than rank 0 (hint: the same data everywhere)"
 
 
-def checkpoint_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    """Checkpointer.save on two ranks, where rank 1's disk is full."""
+def checkpoint_worker(rank: int, world: int, port: int, out_dir: str, fault: str = "write") -> None:
+    """Checkpointer.save on two ranks, where rank 1's disk is full (fault="write") or rank 0 cannot rename the
+    finished folder into place (fault="publish")."""
     torch.set_num_threads(1)
     join_env(rank, world, port)
     init_distributed("cpu")
-    if rank == 1:
+    if rank == 1 and fault == "write":
         def disk_full(*args, **kwargs):
             raise OSError(28, "No space left on device")
         torch.save = disk_full
+    if rank == 0 and fault == "publish":
+        def not_allowed(tmp, final):
+            raise PermissionError(f"cannot rename {tmp.name}")
+        Checkpointer._publish = staticmethod(not_allowed)
     model = torch.nn.Linear(2, 2)
     loader = type("Loader", (), {"state_dict": lambda self: {"position": 0}})()
     ckpt = Checkpointer(Path(out_dir) / "ckpt", every_steps=1, keep=2, rank=rank, world_size=world)
@@ -334,4 +339,15 @@ def test_a_checkpoint_part_that_fails_on_one_rank_stops_every_rank(tmp_path, fre
     assert (tmp_path / "ckpt1.txt").read_text() == "OSError: [Errno 28] No space left on device"
     assert (tmp_path / "ckpt0.txt").read_text() == ("RankFailed: stopped: another rank failed to write its part of "
                                                     "checkpoint step_00000003 (its own message says why)")
+    assert list((tmp_path / "ckpt").iterdir()) == []
+
+
+def test_a_checkpoint_that_rank_0_cannot_publish_stops_every_rank_and_leaves_no_parts(tmp_path, free_port):
+    """Rank 0 renames the finished folder into place while the others wait: a failure there left them in a barrier,
+    and (once it stopped every rank) left every rank's part behind in step_*.tmp."""
+    ranks = mp.spawn(checkpoint_worker, args=(2, free_port, str(tmp_path), "publish"), nprocs=2, join=False)
+    join_or_fail(ranks, 120, "rank 1 did not stop when rank 0 failed to publish the checkpoint")
+    assert (tmp_path / "ckpt0.txt").read_text() == "PermissionError: cannot rename step_00000003.tmp"
+    assert (tmp_path / "ckpt1.txt").read_text() == ("RankFailed: stopped: another rank failed to publish checkpoint "
+                                                    "step_00000003 (its own message says why)")
     assert list((tmp_path / "ckpt").iterdir()) == []

@@ -213,7 +213,7 @@ def test_bad_runs_are_refused_and_nothing_is_written(tiny_seed_runs, tmp_path):
     subset.write_text("\n".join(lines) + "\n")
     late = tmp_path / "late.txt"  # calibration on training tokens ran past the budget's reserve
     late.write_text(tiny_seed_runs.logs[1].read_text()
-                    + f"final {json.dumps({**final, 'calib_within_reserve': False, 'calib_total_s': 9.0})}\n")
+                    + f"final {json.dumps({**final, 'calib_within_budget': False, 'calib_total_s': 9.0})}\n")
     twice = tmp_path / "twice.txt"  # the run_id used again: the folder would ship both runs' lines
     twice.write_text(tiny_seed_runs.logs[0].read_text() * 2)
     cases = [([unfinished], "unfinished.txt: no `final"), ([over], "over the 16,000,000-byte cap"),
@@ -221,7 +221,7 @@ def test_bad_runs_are_refused_and_nothing_is_written(tiny_seed_runs, tmp_path):
              ([subset], "subset.txt: scored on the first eval.max_tokens=1000 validation tokens only"),
              ([tiny_seed_runs.logs[0]] * 2, "runs share a seed"),
              ([twice], r"twice.txt: holds 2 runs appended under one run_id"),
-             ([late], r"late.txt: .*calibration on training tokens took 9.0 s, past the run's quant.calib_reserve_s")]
+             ([late], r"late.txt: .*and calibration on training tokens \(9.0 s\) took longer than train.time_budget_s")]
     for runs, message in cases:
         with pytest.raises(SystemExit, match=message):
             export_record.main(["--runs", *map(str, runs), "--out", str(tmp_path / "rec")])

@@ -102,7 +102,7 @@ def test_interpreted_kernels_and_bad_arguments_are_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(SystemExit, match="TRITON_INTERPRET=1"):
         KR.main([])
-    for bad in (["--n", "3"], ["--C", "40"], ["--tokens", "0"]):
+    for bad in (["--n", "3"], ["--n", "16"], ["--C", "40"], ["--tokens", "0"]):  # 16 passed, then crashed
         with pytest.raises(SystemExit):
             KR.main(bad)
 

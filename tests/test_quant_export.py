@@ -174,6 +174,12 @@ def test_a_quantizer_error_names_its_matrix(model):
     hessians["blocks.2.down.weight"] = torch.full_like(hessians["blocks.2.down.weight"], float("inf"))
     with pytest.raises(ValueError, match="^blocks.2.down.weight: Hessian holds NaN or Inf"):
         quantize_matrices(plan, hessians, "gptq")
+    indefinite = torch.eye(32)
+    indefinite[0, 1] = indefinite[1, 0] = 1000.0
+    hessians["blocks.2.down.weight"] = torch.eye(96)
+    hessians["blocks.0.up.weight"] = indefinite
+    with pytest.raises(RuntimeError, match="^blocks.0.up.weight: GPTQ: Hessian .32x32. is not positive definite"):
+        quantize_matrices(plan, hessians, "gptq")
 
 
 def test_export_refuses_tied_weights(tmp_path):

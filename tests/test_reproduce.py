@@ -115,8 +115,8 @@ def test_a_baseline_that_would_fake_or_spoil_the_test_is_refused(tmp_path):
         ([a, log("x", export_error="even all-int5 is over")], r"x.txt: a failed run \(no artifact: even all-int5"),
         ([a, log("y", total_bytes=16_000_001)], r"y.txt: a failed run \(over the 16,000,000-byte cap"),
         ([a, log("z", fits_cap=False)], r"z.txt: a failed run \(over its config's quant.cap_bytes"),
-        ([a, log("slow", calib_within_reserve=False, calib_total_s=7.5)],
-         r"slow.txt: a failed run \(calibration on training tokens took 7.5 s, past the run's quant.calib_reserve_s"),
+        ([a, log("slow", calib_within_budget=False, train_time_s=598.0, calib_total_s=7.5)],
+         r"slow.txt: a failed run \(training \(598.0 s\) and calibration on training tokens \(7.5 s\) took longer"),
         ([a, log("nan", float("nan"))], r"nan.txt: a failed run \(val_loss is nan, not a finite number"),
         ([a, log("fewer", tokens=8_000)], "the baseline's runs scored different validation data: .*a.txt 9,000 tokens "
                                           "/ 18,000 bytes, .*fewer.txt 8,000 / 16,000"),

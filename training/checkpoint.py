@@ -167,6 +167,7 @@ class Checkpointer:
                     shutil.rmtree(old, ignore_errors=True)
             except Exception as e:
                 failure = e
+                shutil.rmtree(tmp, ignore_errors=True)  # every rank's part, maybe gigabytes; an old one is kept
         fail_together(failure, f"to publish checkpoint {final.name}")  # a barrier too
         return final
 

@@ -63,26 +63,30 @@ def calibration_batches(cfg: Config, model, train_files: list[str], device: torc
         loader.close()
 
 
-def calibration_within_reserve(cfg: Config, seconds: float, log) -> bool | None:
-    """Did calibration on training tokens (batches + Hessians, + Fisher weights) fit in the slice of the
-    wall-clock budget that train.py kept for it? The rules put it inside the training budget. None where
-    no such rule applies: no time budget, or calibration on text the model generated itself."""
-    if not cfg.train.time_budget_s or cfg.quant.calib_source != "train":
+def calibration_within_budget(cfg: Config, seconds: float, train_time_s: float, log) -> bool | None:
+    """Did training and calibration on training tokens (batches + Hessians, + Fisher weights) together fit in
+    train.time_budget_s? The rules put calibration inside the training budget; train.py stops training
+    quant.calib_reserve_s early to leave room for it. None where no such rule applies: no time budget, or
+    calibration on text the model generated itself."""
+    budget = cfg.train.time_budget_s
+    if not budget or cfg.quant.calib_source != "train":
         return None
-    reserve = cfg.quant.calib_reserve_s
-    if seconds <= reserve:
-        log(f"calibration {seconds:.1f} s, inside the {reserve:g} s reserve of the training budget")
+    used = train_time_s + seconds
+    if used <= budget:
+        log(f"calibration {seconds:.1f} s after {train_time_s:.1f} s of training: {used:.1f} s, inside the "
+            f"{budget:g} s budget")
         return True
-    log(f"WARNING calibration on training tokens took {seconds:.1f} s, more than quant.calib_reserve_s={reserve:g}: "
-        f"the run used {seconds - reserve:.1f} s beyond train.time_budget_s; hint: raise quant.calib_reserve_s "
-        "or calibrate on generated text (quant.calib_source=generated)")
+    log(f"WARNING calibration on training tokens took {seconds:.1f} s after {train_time_s:.1f} s of training: "
+        f"{used - budget:.1f} s beyond train.time_budget_s={budget:g}; hint: raise quant.calib_reserve_s (now "
+        f"{cfg.quant.calib_reserve_s:g}) or calibrate on generated text (quant.calib_source=generated)")
     return False
 
 
 def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world_size: int, log,
-                 artifact_path: Path, tokenizer_sha256: str, device: torch.device) -> dict:
+                 artifact_path: Path, tokenizer_sha256: str, device: torch.device, train_time_s: float) -> dict:
     """Rank 0 calibrates, quantizes and writes the artifact; the other ranks wait for it. An unexpected error on
-    rank 0 is raised there once the others know (as an export_error), so that they stop instead of waiting."""
+    rank 0 is raised there once the others know (as an export_error), so that they stop instead of waiting.
+    train_time_s: the training the budget has paid for already (calibration on training tokens must fit beside it)."""
     report: dict = {}
     failure: Exception | None = None
     if rank == 0:
@@ -115,12 +119,12 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
             log(f"phase quantize+export {seconds:.1f} s (calibration data {t_calib_data:.1f} s; "
                 f"reserve {cfg.quant.calib_reserve_s} s)")
             calib_total = t_calib_data + report.get("calib_s", 0.0)
-            within = calibration_within_reserve(cfg, calib_total, log)
+            within = calibration_within_budget(cfg, calib_total, train_time_s, log)
     if rank == 0 and "export_error" not in report:
         report = {"artifact_bytes": artifact_path.stat().st_size, "code_bytes": code,
                   "export_seconds": round(seconds, 2), "quant_method": cfg.quant.method,
                   "calib_source": cfg.quant.calib_source, "calib_total_s": round(calib_total, 2),
-                  **({} if within is None else {"calib_within_reserve": within}),
+                  **({} if within is None else {"calib_within_budget": within}),
                   **{k: v for k, v in report.items() if isinstance(v, (int, float, str))}}
     if world_size > 1:  # every rank learns the outcome (and waits for the artifact file)
         holder = [report]
