@@ -281,6 +281,11 @@ def source_entropy(cfg: Config) -> float | None:
                           "so regenerate it (python -m data.prepare or data.demo) or move it away") from None
     if value is not None and not isinstance(value, (int, float)):
         raise ConfigError(f"{manifest}: source_entropy_bits_per_byte must be a number, got {value!r}")
+    recorded = json.loads(manifest.read_text()).get("tokenizer_sha256")
+    if value is not None and recorded is not None and recorded != file_sha256(cfg.data.tokenizer):
+        raise ConfigError(f"{manifest}: describes another tokenizer than {cfg.data.tokenizer} (its sha256 differs), "
+                          "so its shards and source entropy are not this tokenizer's (hint: regenerate the folder: "
+                          "python -m data.demo --out DIR)")
     return value
 
 

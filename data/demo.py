@@ -20,6 +20,8 @@ import argparse
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -83,23 +85,28 @@ def make_demo(out_dir: str | os.PathLike, seed: int = 0, train_docs: int = DEFAU
     sampler = Sampler(src)
     val = sampler.documents(val_docs, np.random.default_rng([seed, 2]))
     train = sampler.documents(train_docs, np.random.default_rng([seed, 1]))
-    sample = out / f".tokenizer_sample.tmp{os.getpid()}.txt"
+    # The tokenizer is trained beside the folder's files and moves in with the new shards (ship_tokenizer): an
+    # interrupted run must not leave a new tokenizer next to the old shards and manifest.
+    for leftover in out.glob(".demo-tokenizer-*"):  # a killed run's
+        shutil.rmtree(leftover, ignore_errors=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".demo-tokenizer-", dir=out))
     try:
+        sample = scratch / "sample.txt"
         sample.write_text("\n".join(train[:TOKENIZER_DOCS]) + "\n")
         # a fixed thread count: the model file records it, and the demo should be byte-identical anywhere
-        model = train_tokenizer([str(sample)], DEMO_VOCAB_SIZE, str(out / "tokenizer"), num_threads=2)
+        model = train_tokenizer([str(sample)], DEMO_VOCAB_SIZE, str(scratch / "tokenizer"), num_threads=2)
+        val_bytes = sum(len(d) for d in val)  # ASCII, and normalization is the identity on this text
+        extra = {
+            "source_entropy_bits_per_byte": rate["bits_per_byte"],
+            "val_source_bits_per_byte": split_code_length(src, val) / val_bytes,
+            "val_unigram_bits_per_byte": unigram_bits(load_sp(model), val) / val_bytes,
+            "source": {"kind": DEMO_KIND, "seed": seed,
+                       "words": src.n_words, "doc_end_prob": src.doc_end_prob, **rate},
+        }
+        manifest = prepare_splits({"val": val, "train": train}, model, out, shard_tokens=SHARD_TOKENS,
+                                  overwrite=True, extra_manifest=extra, ship_tokenizer=True)
     finally:
-        sample.unlink(missing_ok=True)
-    val_bytes = sum(len(d) for d in val)  # ASCII, and normalization is the identity on this text
-    extra = {
-        "source_entropy_bits_per_byte": rate["bits_per_byte"],
-        "val_source_bits_per_byte": split_code_length(src, val) / val_bytes,
-        "val_unigram_bits_per_byte": unigram_bits(load_sp(model), val) / val_bytes,
-        "source": {"kind": DEMO_KIND, "seed": seed,
-                   "words": src.n_words, "doc_end_prob": src.doc_end_prob, **rate},
-    }
-    manifest = prepare_splits({"val": val, "train": train}, model, out, shard_tokens=SHARD_TOKENS,
-                              overwrite=True, extra_manifest=extra)
+        shutil.rmtree(scratch, ignore_errors=True)
     if manifest["splits"]["val"]["bytes"] != val_bytes:
         raise RuntimeError(f"demo val split decodes to {manifest['splits']['val']['bytes']} bytes, generated "
                            f"{val_bytes}: the tokenizer did not round-trip the text")

@@ -17,6 +17,7 @@ decoded text, the denominator of bits per byte -- and `input_bytes` of the raw t
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import multiprocessing
@@ -30,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from data.files import write_atomic
-from data.shards import BOS_ID, write_shard
+from data.shards import BOS_ID, SWAP_MARKER, write_shard
 from data.tokenizer import build_byte_lut, count_target_bytes, file_sha256, iter_texts, load_sp
 
 CHUNK_DOCS = 256          # documents per worker task
@@ -102,36 +103,81 @@ def _old_outputs(out_dir: Path, overwrite: bool) -> list[Path]:
 
 
 def _swap_in(staging: Path, out_dir: Path, old: list[Path]) -> None:
-    """Replace the old outputs with the staged ones by renames on one filesystem. The manifest goes first
-    and comes back last: a folder caught between the two has no manifest, which marks it incomplete."""
+    """Replace the old outputs with the staged ones by renames on one filesystem. A marker file stands in the folder
+    from before the first old file goes until the manifest is in: the loaders (data.shards.list_shards) refuse a
+    folder caught between the two, which holds part of each set."""
+    write_atomic(out_dir / SWAP_MARKER, b"data.prepare is replacing the shards of this folder\n")
     for path in sorted(old, key=lambda q: q.name != "manifest.json"):
         path.unlink(missing_ok=True)
-    for path in sorted(staging.glob("fineweb_*.bin")):
+    for path in sorted(staging.glob("fineweb_*.bin")) + sorted(staging.glob("tokenizer.*")):
         os.replace(path, out_dir / path.name)
     os.replace(staging / "manifest.json", out_dir / "manifest.json")
+    (out_dir / SWAP_MARKER).unlink()
+
+
+def require_bos_tokenizer(sp, tokenizer) -> None:
+    """Documents start with BOS_ID in every shard, and the loaders, the evaluation and the byte accounting treat it
+    as a boundary of 0 bytes: a tokenizer whose id 1 is an ordinary piece would be counted wrong silently."""
+    if sp.bos_id() != BOS_ID or not sp.is_control(BOS_ID):
+        raise ValueError(f"{tokenizer}: bos_id is {sp.bos_id()} and id {BOS_ID} is {sp.id_to_piece(BOS_ID)!r}; shards "
+                         f"need the BOS control token at id {BOS_ID} (hint: train it with python -m data.tokenizer, "
+                         "which uses the published settings)")
+
+
+class HeldOut:
+    """Keeps training documents out of the validation split's text: remembers a digest of every validation
+    document as it passes and drops training documents with the same text (counted in the manifest)."""
+
+    def __init__(self):
+        self.digests: set[bytes] = set()
+        self.dropped = 0
+
+    @staticmethod
+    def _digest(text: str) -> bytes:
+        return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+    def remember(self, texts: Iterable[str]) -> Iterator[str]:
+        for text in texts:
+            self.digests.add(self._digest(text))
+            yield text
+
+    def drop_seen(self, texts: Iterable[str]) -> Iterator[str]:
+        for text in texts:
+            if self._digest(text) in self.digests:
+                self.dropped += 1
+                continue
+            yield text
 
 
 def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: str | os.PathLike, *,
                    shard_tokens: int = 100_000_000, workers: int | None = None, overwrite: bool = False,
-                   extra_manifest: dict | None = None) -> dict:
+                   extra_manifest: dict | None = None, ship_tokenizer: bool = False) -> dict:
     """Tokenize each split's documents into shards under `out_dir`, with manifest.json (its presence means the
     shards are complete). All are staged in a hidden folder inside out_dir and moved in, manifest last, once
-    written: a failed or interrupted run leaves out_dir as it was. Returns the manifest."""
-    if shard_tokens < 1:
-        raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
+    written: a failed or interrupted run leaves out_dir as it was. Training documents whose text is a validation
+    document's are left out (`held_out_duplicates` in the manifest). ship_tokenizer: the tokenizer (and its .vocab
+    beside it) moves into out_dir as tokenizer.model/.vocab together with the shards, so that the two never
+    disagree. Returns the manifest."""
+    if not 1 <= shard_tokens < 2**31:  # write_shard's int32 count; refused before the tokenization, not after
+        raise ValueError(f"shard_tokens must be in [1, 2**31), got {shard_tokens}")
     unknown = set(splits) - set(SPLITS)
     if unknown:
         raise ValueError(f"unknown split names {sorted(unknown)}; expected {SPLITS}")
     sp = load_sp(tokenizer)
     if sp.get_piece_size() > 65536:
         raise ValueError(f"{tokenizer}: vocab size {sp.get_piece_size()} does not fit uint16 shards")
+    require_bos_tokenizer(sp, tokenizer)
+    held_out = HeldOut()
+    splits = {name: held_out.remember(texts) if name == "val" else held_out.drop_seen(texts)
+              for name, texts in sorted(splits.items(), key=lambda kv: kv[0] != "val")}  # val first
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     old = _old_outputs(out, overwrite)
     for leftover in out.glob(".staging-*"):  # what a killed run (SIGKILL: no finally) staged, maybe gigabytes
         shutil.rmtree(leftover, ignore_errors=True)
     workers = workers or os.cpu_count() or 1
-    manifest = {"tokenizer": str(tokenizer), "tokenizer_sha256": file_sha256(tokenizer),
+    manifest = {"tokenizer": str(out / "tokenizer.model" if ship_tokenizer else tokenizer),
+                "tokenizer_sha256": file_sha256(tokenizer),
                 "vocab_size": sp.get_piece_size(), "shard_tokens": shard_tokens, "bos_id": BOS_ID,
                 "bytes_definition": "UTF-8 bytes of the decoded (nmt_nfkc-normalized) text; BOS adds none",
                 "splits": {}}
@@ -146,7 +192,16 @@ def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: st
             for split, texts in splits.items():
                 writer = ShardWriter(staging, split, shard_tokens)
                 manifest["splits"][split] = _tokenize_split(pool, workers, texts, writer)
+        if "train" in splits and not manifest["splits"]["train"]["docs"]:
+            raise ValueError("no training documents: the inputs hold none, or only copies of validation "
+                             "documents; nothing was written (hint: check --input)")
+        manifest["held_out_duplicates"] = held_out.dropped
         manifest.update(extra_manifest or {})
+        if ship_tokenizer:
+            for suffix in (".model", ".vocab"):
+                source = Path(tokenizer).with_suffix(suffix)
+                if source.exists():
+                    shutil.copyfile(source, staging / f"tokenizer{suffix}")
         write_atomic(staging / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
         _swap_in(staging, out, old)
     finally:
@@ -177,13 +232,20 @@ def prepare(inputs: list[str], tokenizer: str, out_dir: str | os.PathLike, *, va
     if val_docs < 0:
         raise ValueError(f"val_docs must be >= 0, got {val_docs}")
     if val_inputs:
+        shared = [(v, t) for v in val_inputs for t in inputs if Path(v).exists() and Path(t).exists()
+                  and os.path.samefile(v, t)]
+        if shared:
+            raise ValueError(f"--val-input {shared[0][0]} is also a training --input ({shared[0][1]}): the model "
+                             "would train on its validation text (hint: give each file to one split)")
         return prepare_splits({"val": iter_texts(val_inputs), "train": iter_texts(inputs)}, tokenizer, out_dir,
                               **kwargs)
     docs = iter_texts(inputs)
     val = list(itertools.islice(docs, val_docs))
     first_train = next(docs, None)  # at least one document must be left to train on
-    if len(val) < val_docs or first_train is None:
+    if first_train is None and val_docs:
         raise ValueError(f"--val-docs {val_docs} but the inputs hold only {len(val)} documents, none left to train")
+    if first_train is None:
+        raise ValueError("the inputs hold no documents (hint: check --input)")
     docs = itertools.chain([first_train], docs)
     splits = {"val": val, "train": docs} if val_docs else {"train": docs}
     return prepare_splits(splits, tokenizer, out_dir, **kwargs)

@@ -20,6 +20,7 @@ VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 BOS_ID = 1
+SWAP_MARKER = ".prepare-swap-in-progress"  # data.prepare's, while a folder holds parts of two shard sets
 TOKEN_DTYPE = np.dtype("<u2")
 
 
@@ -96,6 +97,10 @@ def list_shards(pattern: str) -> list[str]:
         raise FileNotFoundError(f"no shard files match {pattern!r} (hint: run `python -m data.download` for "
                                 "FineWeb or `python -m data.demo --out DIR` for the demo corpus, and check the "
                                 "path is relative to the directory you run from)")
+    for folder in sorted({os.path.dirname(f) for f in files}):
+        if os.path.exists(os.path.join(folder, SWAP_MARKER)):
+            raise ShardError(f"{folder or '.'}: data.prepare was interrupted while replacing its shards, so it holds "
+                             "parts of two sets (hint: run the data.prepare command again with --overwrite)")
     return files
 
 

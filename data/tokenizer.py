@@ -2,8 +2,9 @@
 
     python -m data.tokenizer --input FILE... --vocab-size N --out PREFIX
 
-Text files: `.txt` holds one document per non-empty line; `.jsonl`, `.jsonl.gz` and `.jsonl.xz` hold one
-JSON object per line with the document in its "text" field.
+Text files: `.txt` holds one document per non-empty line (lines end at "\n"; a "\r" before it is dropped, one
+elsewhere stays in the text); `.jsonl`, `.jsonl.gz` and `.jsonl.xz` hold one JSON object per line with the
+document in its "text" field. Documents that are empty or only whitespace are skipped in both.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import json
 import lzma
 import os
 import sys
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ PUBLISHED_SETTINGS = dict(
     hard_vocab_limit=False,
 )
 TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.xz")
+SPACE = "▁"  # SentencePiece's whitespace symbol
 
 
 class TokenizerError(ValueError):
@@ -38,12 +41,13 @@ class TokenizerError(ValueError):
 
 
 def _open_text(path: Path) -> io.TextIOBase:
+    """Lines end at "\n" only: universal newlines would also cut a document at a lone "\r"."""
     name = path.name
     if name.endswith(".xz"):
-        return lzma.open(path, "rt", encoding="utf-8")
+        return lzma.open(path, "rt", encoding="utf-8", newline="\n")
     if name.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return gzip.open(path, "rt", encoding="utf-8", newline="\n")
+    return open(path, encoding="utf-8", newline="\n")
 
 
 def iter_texts(paths: list[str | os.PathLike]) -> Iterator[str]:
@@ -55,7 +59,7 @@ def iter_texts(paths: list[str | os.PathLike]) -> Iterator[str]:
             raise FileNotFoundError(f"{path}: no such text file")
         try:
             yield from _documents(path)
-        except (EOFError, lzma.LZMAError, gzip.BadGzipFile, UnicodeDecodeError) as exc:  # truncated, corrupt, binary
+        except (EOFError, lzma.LZMAError, gzip.BadGzipFile, zlib.error, UnicodeDecodeError) as exc:  # truncated, corrupt, binary
             raise ValueError(f"{path}: cannot be read as {path.name.split('.', 1)[-1]} text "
                              f"({type(exc).__name__}: {exc})") from None
 
@@ -64,7 +68,7 @@ def _documents(path: Path) -> Iterator[str]:
     is_jsonl = not path.name.endswith(".txt")
     with _open_text(path) as f:
         for line_no, line in enumerate(f, 1):
-            line = line.rstrip("\n")
+            line = line.removesuffix("\n").removesuffix("\r")
             if not line.strip():
                 continue
             if not is_jsonl:
@@ -77,7 +81,12 @@ def _documents(path: Path) -> Iterator[str]:
                                  f"({type(exc).__name__}: {exc})") from None
             if not isinstance(text, str):
                 raise ValueError(f"{path}:{line_no}: \"text\" must be a string, got {type(text).__name__}")
-            yield text
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # valid JSON ("\ud800"), yet no text: SentencePiece fails naming nothing
+                raise ValueError(f"{path}:{line_no}: \"text\" holds a lone surrogate, not Unicode text ({exc})") from None
+            if text.strip():
+                yield text
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -88,15 +97,40 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def training_pieces(texts: Iterator[str], max_bytes: int) -> Iterator[str]:
+    """Documents for the tokenizer trainer, those over `max_bytes` UTF-8 bytes cut into pieces that fit: at a line
+    break, else at a space, in the second half of the allowed length, else at a character boundary. SentencePiece
+    skips longer sentences without a word, and on the shared training mix that was half of the bytes (84% of its
+    FineWeb text)."""
+    for text in texts:
+        data = text.encode("utf-8")
+        while len(data) > max_bytes:
+            cut = max_bytes
+            while data[cut] & 0xC0 == 0x80:  # data[cut] continues a character: cut before that character
+                cut -= 1
+            for separator in (b"\n", b" "):
+                at = data.rfind(separator, cut // 2, cut)
+                if at > 0:
+                    cut = at + 1
+                    break
+            if data[:cut].strip():
+                yield data[:cut].decode("utf-8")
+            data = data[cut:]
+        if data.strip():
+            yield data.decode("utf-8")
+
+
 def train_tokenizer(inputs: list[str], vocab_size: int, out_prefix: str, *, num_threads: int | None = None,
                     max_sentence_length: int = 4192) -> str:
     """Train a BPE tokenizer with the published settings on the documents of `inputs`.
 
     Writes PREFIX.model and PREFIX.vocab (each renamed into place once complete) and returns the
-    .model path. Documents longer than `max_sentence_length` bytes are left out of training, as
-    SentencePiece does by default. The model file records its trainer options, `num_threads`
+    .model path. Documents longer than `max_sentence_length` bytes (SentencePiece's limit) are cut into
+    pieces that fit (training_pieces). The model file records its trainer options, `num_threads`
     (default: all cores) among them: fix it to get byte-identical models on different machines.
     """
+    if max_sentence_length < 16:
+        raise ValueError(f"max_sentence_length must be >= 16 bytes, got {max_sentence_length}")
     if vocab_size < 256 + 4 + 1:
         raise ValueError(f"vocab_size {vocab_size} is too small: byte fallback alone needs 256 byte pieces "
                          "plus 4 control ids, and at least one merged piece")
@@ -105,7 +139,7 @@ def train_tokenizer(inputs: list[str], vocab_size: int, out_prefix: str, *, num_
 
     def texts() -> Iterator[str]:  # SentencePiece turns an error raised here into its own, naming no line
         try:
-            yield from iter_texts(inputs)
+            yield from training_pieces(iter_texts(inputs), max_sentence_length)
         except Exception as e:
             failed.append(e)
             raise
@@ -119,6 +153,9 @@ def train_tokenizer(inputs: list[str], vocab_size: int, out_prefix: str, *, num_
             raise failed[0] from None
         raise
     sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    if sp.piece_to_id(SPACE) == sp.unk_id():
+        raise TokenizerError(f"the inputs hold no spaces, so the tokenizer has no {SPACE!r} piece and would count "
+                             "each space as 3 bytes; nothing was written (hint: train on ordinary text)")
     if sp.get_piece_size() != vocab_size:  # too little text: SentencePiece stops early without saying so
         raise TokenizerError(f"the inputs give {sp.get_piece_size()} pieces, not the vocab_size={vocab_size} asked "
                              f"for; nothing was written (hint: train on more text, or ask for at most "
@@ -157,6 +194,10 @@ def build_byte_lut(model_path_or_sp) -> ByteLUT:
     decodes to a 1-byte space), plus one for the leading "▁" unless the previous token is a boundary --
     SentencePiece drops that space at the start of a decoded document."""
     sp = load_sp(model_path_or_sp)
+    if sp.piece_to_id(SPACE) == sp.unk_id():  # GUIDE's list of mistakes: a space would decode as "▁", 3 bytes
+        raise TokenizerError(f"{model_path_or_sp}: no standalone {SPACE!r} piece, so byte fallback spells each space "
+                             "as the 3 bytes of U+2581 and bits per byte would be counted against the wrong text "
+                             "(hint: use a tokenizer trained on text with spaces)")
     vocab = sp.get_piece_size()
     base = np.zeros(vocab, dtype=np.int16)
     space = np.zeros(vocab, dtype=bool)
@@ -190,9 +231,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--input", nargs="+", required=True, help="text files: .txt, .jsonl, .jsonl.gz, .jsonl.xz")
     p.add_argument("--vocab-size", type=int, required=True)
     p.add_argument("--out", required=True, help="output prefix: writes PREFIX.model and PREFIX.vocab")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="trainer threads (default: all cores); the model file records it, so fix it for "
+                        "byte-identical models across machines")
+    p.add_argument("--max-sentence-length", type=int, default=4192,
+                   help="longest training piece in UTF-8 bytes; longer documents are cut to fit (default 4192)")
     args = p.parse_args(argv)
+    if args.num_threads is not None and args.num_threads < 1:
+        p.error(f"--num-threads must be >= 1, got {args.num_threads}")
     try:
-        model = train_tokenizer(args.input, args.vocab_size, args.out)
+        model = train_tokenizer(args.input, args.vocab_size, args.out, num_threads=args.num_threads,
+                                max_sentence_length=args.max_sentence_length)
     except (ValueError, OSError) as exc:  # TokenizerError and a bad input line included
         sys.exit(f"data.tokenizer: {exc}")
     except RuntimeError as exc:  # SentencePiece's own checks, e.g. more distinct characters than vocab

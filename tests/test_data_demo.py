@@ -117,3 +117,29 @@ def test_make_demo_refuses_a_folder_with_another_corpus(tmp_path):
             make_demo(out, train_docs=5, val_docs=2)
         assert (out / "fineweb_train_000000.bin").read_bytes() == b"real data"
         assert not (out / "tokenizer.model").exists()
+
+
+def test_an_interrupted_demo_keeps_its_tokenizer_with_its_shards(tmp_path, fail_at_call):
+    """The new tokenizer replaced the old one before the shards were written: interrupted, the folder held the old
+    shards and manifest beside a tokenizer they were not made with (the byte audit still passed)."""
+    import data.prepare as prep
+    make_demo(tmp_path, seed=0, train_docs=60, val_docs=10)
+    before = {f.name: f.read_bytes() for f in tmp_path.iterdir()}
+    fail_at_call(prep, "write_shard", 1, KeyboardInterrupt("killed"))
+    with pytest.raises(KeyboardInterrupt):
+        make_demo(tmp_path, seed=1, train_docs=60, val_docs=10)
+    assert {f.name: f.read_bytes() for f in tmp_path.iterdir()} == before  # nothing staged is left either
+
+
+def test_train_refuses_a_manifest_of_another_tokenizer(small_demo, tmp_path):
+    """The demo's manifest gives the source entropy train.py reports; read beside another tokenizer it is stale."""
+    from train import source_entropy
+    from training.config import ConfigError, load_config
+    out, _ = small_demo
+    (tmp_path / "manifest.json").write_bytes((out / "manifest.json").read_bytes())
+    other = tmp_path / "tokenizer.model"
+    other.write_bytes((out / "tokenizer.model").read_bytes() + b"\0")
+    cfg = load_config(None, [f"data.tokenizer={other}"])
+    with pytest.raises(ConfigError, match="describes another tokenizer"):
+        source_entropy(cfg)
+    assert source_entropy(load_config(None, [f"data.tokenizer={out / 'tokenizer.model'}"])) > 0

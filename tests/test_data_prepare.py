@@ -136,3 +136,66 @@ def test_real_text_round_trips_to_its_normalized_form(tmp_path):
     total = m["splits"]["val"]["bytes"] + m["splits"]["train"]["bytes"]
     assert total == sum(len(t.encode("utf-8")) for t in normalized)
     assert m["tokenizer_sha256"].startswith("4f5e8adb")
+
+
+def test_validation_text_never_reaches_the_training_split(demo_text, tmp_path):
+    """--val-input documents that also sat in the training inputs were trained on, and nothing noticed; the same file
+    given to both splits is refused, and copies of validation documents among the training ones are left out."""
+    d, docs, model = demo_text
+    with pytest.raises(ValueError, match=r"--val-input .*docs.txt is also a training --input"):
+        prepare([str(d / "docs.txt")], model, tmp_path / "same", val_inputs=[str(d / "docs.txt")], workers=1)
+    m = prepare([str(d / "docs.txt")], model, tmp_path / "overlap", val_inputs=[str(d / "val.jsonl")], workers=1)
+    assert m["held_out_duplicates"] == 30 and m["splits"]["train"]["docs"] == 670  # val.jsonl is docs[:30]
+    sp = spm.SentencePieceProcessor(model_file=model)
+    train = documents(load_tokens(list_shards(str(tmp_path / "overlap" / "fineweb_train_*.bin"))), sp)
+    assert train == docs[30:]
+    with pytest.raises(ValueError, match="no training documents: the inputs hold none, or only copies of validation"):
+        prepare([str(d / "val.jsonl")], model, tmp_path / "only_val", val_inputs=[str(d / "docs.txt")], workers=1)
+    assert not list((tmp_path / "only_val").glob("fineweb_*"))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match=r"^the inputs hold no documents \(hint"):
+        prepare([str(tmp_path / "empty.txt")], model, tmp_path / "none", workers=1)
+
+
+def test_a_swap_interrupted_between_two_renames_is_refused_by_the_loaders(demo_text, tmp_path, monkeypatch):
+    """The swap deletes the old files and renames the new ones in: killed between, the folder held part of each set,
+    and the loaders read it as one. A marker now stands there until the manifest is in."""
+    d, _, model = demo_text
+    import data.prepare as prep
+    from data.shards import SWAP_MARKER, ShardError
+    prepare([str(d / "docs.txt")], model, tmp_path, shard_tokens=5_000, workers=1)
+    real_replace, moved = prep.os.replace, []
+
+    def killed_after_one_shard_moved_in(src, dst):
+        if ".staging-" in str(src) and Path(dst).parent == tmp_path:  # the swap's renames, not the staging writes
+            moved.append(dst)
+            if len(moved) == 2:
+                raise KeyboardInterrupt("killed")
+        real_replace(src, dst)
+    monkeypatch.setattr(prep.os, "replace", killed_after_one_shard_moved_in)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(d / "docs.txt")], model, tmp_path, shard_tokens=7_000, workers=1, overwrite=True)
+    assert (tmp_path / SWAP_MARKER).exists()
+    with pytest.raises(ShardError, match="data.prepare was interrupted while replacing its shards"):
+        list_shards(str(tmp_path / "fineweb_train_*.bin"))
+
+
+def test_the_swap_marker_goes_once_the_manifest_is_in(demo_text, tmp_path):
+    from data.shards import SWAP_MARKER
+    d, _, model = demo_text
+    (tmp_path / SWAP_MARKER).write_text("left by a killed run\n")
+    (tmp_path / "fineweb_train_000000.bin").write_bytes(b"half of an old set")
+    m = prepare([str(d / "docs.txt")], model, tmp_path, shard_tokens=50_000, workers=1, overwrite=True)
+    assert not (tmp_path / SWAP_MARKER).exists()
+    assert [Path(f).name for f in list_shards(str(tmp_path / "fineweb_train_*.bin"))] == m["splits"]["train"]["shards"]
+    assert read_shard(tmp_path / "fineweb_train_000000.bin")[0] == BOS_ID
+
+
+def test_a_tokenizer_without_bos_at_id_1_and_a_shard_size_past_int32_are_refused_up_front(demo_text, tmp_path):
+    d, _, model = demo_text
+    spm.SentencePieceTrainer.train(input=str(d / "docs.txt"), model_prefix=str(tmp_path / "nobos"), vocab_size=300,
+                                   model_type="bpe", bos_id=-1, byte_fallback=True, num_threads=1, minloglevel=2)
+    with pytest.raises(ValueError, match=r"nobos.model: bos_id is -1 .* need the BOS control token at id 1"):
+        prepare([str(d / "docs.txt")], str(tmp_path / "nobos.model"), tmp_path / "out", workers=1)
+    with pytest.raises(ValueError, match=r"shard_tokens must be in \[1, 2\*\*31\)"):
+        prepare([str(d / "docs.txt")], model, tmp_path / "out", shard_tokens=2**31, workers=1)

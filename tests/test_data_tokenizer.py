@@ -159,3 +159,73 @@ def test_byte_counts_equal_decoded_utf8_on_real_documents():
         assert counted == decoded, text[:80]
         total_bytes, total_tokens = total_bytes + decoded, total_tokens + len(ids) - 1
     assert 2.3 < total_bytes / total_tokens < 2.6  # FineWeb on sp1024 runs at ~2.4 bytes per token
+
+
+def test_text_files_keep_lone_carriage_returns_and_skip_empty_documents(tmp_path):
+    """A lone "\r" cut a .txt document in two (universal newlines); JSONL documents of only whitespace became bare BOS
+    tokens, where .txt skipped them."""
+    (tmp_path / "a.txt").write_bytes(b"first part\rsecond part\r\nnext\n\n")
+    assert list(iter_texts([tmp_path / "a.txt"])) == ["first part\rsecond part", "next"]
+    (tmp_path / "b.jsonl").write_text('{"text": "x"}\n{"text": ""}\n{"text": "  \\n "}\n{"text": "y"}\n')
+    assert list(iter_texts([tmp_path / "b.jsonl"])) == ["x", "y"]
+
+
+def test_unreadable_text_is_named_with_its_line(tmp_path):
+    surrogate = tmp_path / "s.jsonl"
+    surrogate.write_text('{"text": "ok"}\n{"text": "bad \\ud800 text"}\n')
+    with pytest.raises(ValueError, match=r"s.jsonl:2: \"text\" holds a lone surrogate"):
+        list(iter_texts([surrogate]))
+    good = gzip.compress(b"".join(json.dumps({"text": f"doc {i} " * 50}).encode() + b"\n" for i in range(200)))
+    broken = bytearray(good)
+    broken[200:260] = bytes(60)  # a corrupt deflate stream: zlib.error, which was not caught
+    (tmp_path / "c.jsonl.gz").write_bytes(bytes(broken))
+    with pytest.raises(ValueError, match=r"c.jsonl.gz: cannot be read as jsonl.gz text \((error|BadGzipFile)"):
+        list(iter_texts([tmp_path / "c.jsonl.gz"]))
+
+
+def test_long_documents_are_cut_to_fit_the_trainer_not_skipped(tmp_path):
+    """SentencePiece skips sentences over max_sentence_length bytes without a word: on the shared mix that was half of
+    the bytes, and a corpus of long documents only failed with '!sentences_.empty()'."""
+    from data.tokenizer import training_pieces
+    text = ("a line of words é\n" * 40) + "x" * 300 + " 六" * 100
+    pieces = list(training_pieces(iter([text, "short"]), 128))
+    assert all(len(p.encode("utf-8")) <= 128 for p in pieces) and pieces[-1] == "short"
+    assert "".join(pieces[:-1]) == text  # nothing lost: cut only
+    assert pieces[0].endswith("\n")  # at a line break where there is one
+    long_docs = [" ".join(corpus_lines(40, seed=i)) for i in range(30)]  # ~6 KB each, all over 4192 bytes
+    (tmp_path / "long.txt").write_text("\n".join(long_docs) + "\n")
+    model = train_tokenizer([str(tmp_path / "long.txt")], 300, str(tmp_path / "tok"), num_threads=1)
+    assert spm.SentencePieceProcessor(model_file=model).get_piece_size() == 300
+
+
+def test_a_tokenizer_without_a_space_piece_is_refused(tmp_path):
+    """Byte fallback would spell each space as the 3 bytes of U+2581: the byte table and the audit agree with each
+    other, and bits per byte is counted against the wrong text (GUIDE's list of mistakes)."""
+    from data.tokenizer import TokenizerError
+    (tmp_path / "nospace.txt").write_text("\n".join("".join(line.split()) for line in corpus_lines(2000)) + "\n")
+    with pytest.raises(TokenizerError, match="no '▁' piece"):
+        train_tokenizer([str(tmp_path / "nospace.txt")], 300, str(tmp_path / "tok"), num_threads=1)
+    assert not list(tmp_path.glob("tok.*"))
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "nospace.txt"), model_prefix=str(tmp_path / "raw"),
+                                   vocab_size=300, model_type="bpe", byte_fallback=True, add_dummy_prefix=False,
+                                   num_threads=1, minloglevel=2)
+    with pytest.raises(TokenizerError, match="raw.model: no standalone '▁' piece"):
+        build_byte_lut(str(tmp_path / "raw.model"))
+
+
+def test_tokenizer_cli_threads_and_sentence_length(tmp_path, monkeypatch, capsys):
+    import data.tokenizer as tok
+    seen, real = {}, tok.train_tokenizer
+
+    def record(inputs, vocab_size, out, **kw):
+        seen.update(kw)
+        return real(inputs, vocab_size, out, **kw)
+    monkeypatch.setattr(tok, "train_tokenizer", record)
+    (tmp_path / "c.txt").write_text("\n".join(corpus_lines(800)) + "\n")
+    tok.main(["--input", str(tmp_path / "c.txt"), "--vocab-size", "300", "--out", str(tmp_path / "t"),
+              "--num-threads", "1", "--max-sentence-length", "64"])
+    assert seen == {"num_threads": 1, "max_sentence_length": 64}
+    assert json.loads(capsys.readouterr().out)["vocab_size"] == 300
+    with pytest.raises(SystemExit):
+        tok.main(["--input", str(tmp_path / "c.txt"), "--vocab-size", "300", "--out", str(tmp_path / "u"),
+                  "--num-threads", "0"])
