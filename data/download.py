@@ -9,12 +9,15 @@ The dataset repo (repo_type dataset) holds `datasets/manifest.json`, which lists
 DIR/datasets/fineweb10B_<variant>/ and DIR/tokenizers/ (DIR defaults to this package's folder).
 
 Each file is downloaded into DIR/datasets/.staging (huggingface_hub resumes partial files there),
-checked against the size the Hub reports (shards also against their own header), and only then
-renamed into place; a file already in place with the right size is skipped, so re-running resumes.
+checked against the size and checksum the Hub reports (the LFS sha256, or the git blob id of a small file;
+shards also against their own header), and only then renamed into place. A file already in place that
+matches is skipped, so re-running resumes; the checksums of files found good are remembered in
+DIR/datasets/.verified.json by size and modification time, so a rerun does not read 16 GB again.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -23,6 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from data.files import write_atomic
 from data.shards import ShardError, read_header
 
 REPO_ID = "willdepueoai/parameter-golf"
@@ -80,29 +84,86 @@ def plan_downloads(manifest: dict, variant: str, train_shards: int, out_dir: Pat
     return files
 
 
-def check_file(path: Path, expected_size: int | None) -> str | None:
-    """Why `path` is not a complete copy (None when it is)."""
+@dataclass(frozen=True)
+class HubFile:
+    """What the Hub says a file is: its size and a checksum (the LFS sha256 where the file is in LFS, else the
+    git blob id, a sha1 of b"blob <size>\\0" + content)."""
+    size: int
+    sha256: str | None = None
+    git_oid: str | None = None
+
+    def digest_of(self, path: Path) -> str | None:
+        """The digest of `path` of the kind this record holds (None when it holds none)."""
+        if self.sha256 is None and self.git_oid is None:
+            return None
+        h = hashlib.sha256() if self.sha256 else hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        return h.hexdigest()
+
+    @property
+    def digest(self) -> str | None:
+        return self.sha256 or self.git_oid
+
+
+class Verified:
+    """Checksums of files found good, by path, size and modification time (DIR/datasets/.verified.json)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.known = json.loads(path.read_text()) if path.is_file() else {}
+        except (json.JSONDecodeError, OSError):
+            self.known = {}  # a damaged cache only costs a re-read
+
+    def digest(self, path: Path, hub: HubFile) -> str | None:
+        st = path.stat()
+        key, stamp = str(path.resolve()), [st.st_size, st.st_mtime_ns]
+        entry = self.known.get(key)
+        if entry and entry[:2] == stamp and entry[2] == hub.digest:
+            return entry[2]
+        return hub.digest_of(path)
+
+    def remember(self, path: Path, digest: str | None) -> None:
+        if digest is None:
+            return
+        st = path.stat()
+        self.known[str(path.resolve())] = [st.st_size, st.st_mtime_ns, digest]
+        write_atomic(self.path, (json.dumps(self.known, indent=0) + "\n").encode())
+
+
+def check_file(path: Path, hub: HubFile | None, verified: Verified | None = None) -> str | None:
+    """Why `path` is not a complete, intact copy (None when it is)."""
     if not path.is_file():
         return "missing"
     size = path.stat().st_size
-    if expected_size is not None and size != expected_size:
-        return f"{size} bytes, the Hub says {expected_size}"
+    if hub is not None and size != hub.size:
+        return f"{size} bytes, the Hub says {hub.size}"
     if path.suffix == ".bin":
         try:
             read_header(path)
         except ShardError as exc:
             return str(exc)
+    if hub is not None and hub.digest is not None:
+        digest = verified.digest(path, hub) if verified is not None else hub.digest_of(path)
+        if digest != hub.digest:
+            return f"checksum {digest[:12]}…, the Hub says {hub.digest[:12]}… (damaged or changed)"
+        if verified is not None:
+            verified.remember(path, digest)
     return None
 
 
 # The two network calls, module-level so tests replace them.
-def hub_sizes(repo_id: str, remotes: list[str]) -> dict[str, int]:
+def hub_files(repo_id: str, remotes: list[str]) -> dict[str, HubFile]:
     from huggingface_hub import HfApi
-    sizes = {}
+    found = {}
     for i in range(0, len(remotes), 100):
         for info in HfApi().get_paths_info(repo_id, remotes[i:i + 100], repo_type="dataset"):
-            sizes[info.path] = info.size
-    return sizes
+            lfs = getattr(info, "lfs", None)
+            found[info.path] = HubFile(info.size, sha256=lfs.sha256 if lfs is not None else None,
+                                       git_oid=None if lfs is not None else getattr(info, "blob_id", None))
+    return found
 
 
 def hub_download(repo_id: str, remote: str, staging: Path) -> Path:
@@ -110,15 +171,18 @@ def hub_download(repo_id: str, remote: str, staging: Path) -> Path:
     return Path(hf_hub_download(repo_id, remote, repo_type="dataset", local_dir=staging))
 
 
-def fetch(repo_id: str, item: RemoteFile, size: int | None, staging: Path, retries: int) -> None:
+def fetch(repo_id: str, item: RemoteFile, hub: HubFile | None, staging: Path, retries: int,
+          verified: Verified | None = None) -> None:
     """Download one file with retries and exponential backoff; verify it; move it into place."""
     for attempt in range(1, retries + 1):
         try:
             staged = hub_download(repo_id, item.remote, staging)
-            problem = check_file(staged, size)
+            problem = check_file(staged, hub)
             if problem is None:
                 item.local.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(staged, item.local)
+                if verified is not None and hub is not None:
+                    verified.remember(item.local, hub.digest)
                 return
             staged.unlink()  # a bad copy must not be resumed from
             error: Exception = ValueError(f"{item.remote}: downloaded file is bad ({problem})")
@@ -131,13 +195,14 @@ def fetch(repo_id: str, item: RemoteFile, size: int | None, staging: Path, retri
     raise RuntimeError(f"could not download {item.remote} after {retries} attempts: {error}") from error
 
 
-def load_manifest(repo_id: str, out_dir: Path, retries: int) -> dict:
+def load_manifest(repo_id: str, out_dir: Path, retries: int, verified: Verified | None = None) -> dict:
     local = out_dir / "datasets" / "manifest.json"
-    size = hub_sizes(repo_id, [MANIFEST]).get(MANIFEST)
-    if size is None:
+    hub = hub_files(repo_id, [MANIFEST]).get(MANIFEST)
+    if hub is None:
         raise ValueError(f"{repo_id} has no {MANIFEST}")
-    if check_file(local, size) is not None:
-        fetch(repo_id, RemoteFile(MANIFEST, local, "manifest"), size, out_dir / "datasets" / ".staging", retries)
+    if check_file(local, hub, verified) is not None:
+        fetch(repo_id, RemoteFile(MANIFEST, local, "manifest"), hub, out_dir / "datasets" / ".staging", retries,
+              verified)
     try:
         return json.loads(local.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -148,19 +213,20 @@ def download(variant: str, train_shards: int, out_dir: Path, repo_id: str = REPO
     """Fetch what `plan_downloads` lists; returns the local paths. Raises on the first file that fails."""
     if retries < 1:
         raise ValueError(f"--retries must be >= 1, got {retries}")
-    manifest = load_manifest(repo_id, out_dir, retries)
+    verified = Verified(out_dir / "datasets" / ".verified.json")
+    manifest = load_manifest(repo_id, out_dir, retries, verified)
     plan = plan_downloads(manifest, variant, train_shards, out_dir)
-    sizes = hub_sizes(repo_id, [f.remote for f in plan])
+    hub = hub_files(repo_id, [f.remote for f in plan])
     staging = out_dir / "datasets" / ".staging"
     for i, item in enumerate(plan, 1):
-        size = sizes.get(item.remote)
-        if size is None:
+        expected = hub.get(item.remote)
+        if expected is None:
             raise ValueError(f"{repo_id}: {item.remote} is listed by the manifest but not on the Hub")
-        if check_file(item.local, size) is None:
+        if check_file(item.local, expected, verified) is None:
             print(f"[{i}/{len(plan)}] have {item.local}", flush=True)
             continue
-        fetch(repo_id, item, size, staging, retries)
-        print(f"[{i}/{len(plan)}] got {item.local} ({size:,} bytes)", flush=True)
+        fetch(repo_id, item, expected, staging, retries, verified)
+        print(f"[{i}/{len(plan)}] got {item.local} ({expected.size:,} bytes)", flush=True)
     shutil.rmtree(staging, ignore_errors=True)
     return [item.local for item in plan]
 
@@ -178,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:
         sys.exit("data.download: needs the huggingface_hub package (pip install huggingface_hub).")
     try:
-        hub_sizes(a.repo_id, [MANIFEST])  # one quick request first: fail fast and plainly when offline
+        hub_files(a.repo_id, [MANIFEST])  # one quick request first: fail fast and plainly when offline
     except Exception as exc:
         sys.exit(f"data.download: cannot reach the Hugging Face Hub for {a.repo_id} ({type(exc).__name__}: "
                  f"{str(exc).splitlines()[0] if str(exc) else 'no details'}); check the network and retry.")

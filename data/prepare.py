@@ -157,7 +157,10 @@ def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: st
     written: a failed or interrupted run leaves out_dir as it was. Training documents whose text is a validation
     document's are left out (`held_out_duplicates` in the manifest). ship_tokenizer: the tokenizer (and its .vocab
     beside it) moves into out_dir as tokenizer.model/.vocab together with the shards, so that the two never
-    disagree. Returns the manifest."""
+    disagree. Returns the manifest.
+
+    Tokenization runs in worker processes started by a forkserver, which imports the calling script's main module:
+    a script that calls this must do so under `if __name__ == "__main__":`, or each worker runs the script again."""
     if not 1 <= shard_tokens < 2**31:  # write_shard's int32 count; refused before the tokenization, not after
         raise ValueError(f"shard_tokens must be in [1, 2**31), got {shard_tokens}")
     unknown = set(splits) - set(SPLITS)

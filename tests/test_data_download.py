@@ -1,4 +1,5 @@
 """Download planning and fetching, offline: the Hub calls are replaced by fakes."""
+import hashlib
 import json
 import os
 import subprocess
@@ -64,9 +65,17 @@ class FakeHub:
             self.files[remote] = tmp.read_bytes()
         return self.files[remote]
 
-    def sizes(self, repo_id, remotes):
+    def info(self, repo_id, remotes):
+        """As the Hub's paths-info: LFS files (shards, tokenizers) carry a sha256, the small manifest a git blob id."""
         assert repo_id == self.repo_id
-        return {r: len(self.shard(r) if r.endswith(".bin") else self.files[r]) for r in remotes}
+        found = {}
+        for r in remotes:
+            data = self.shard(r) if r.endswith(".bin") else self.files[r]
+            if r == dl.MANIFEST:
+                found[r] = dl.HubFile(len(data), git_oid=hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest())
+            else:
+                found[r] = dl.HubFile(len(data), sha256=hashlib.sha256(data).hexdigest())
+        return found
 
     def download(self, repo_id, remote, staging):
         self.calls.append(remote)
@@ -87,7 +96,7 @@ def hub(monkeypatch, tmp_path):
     monkeypatch.setenv("PYTEST_TMP", str(tmp_path))
     fake = FakeHub()
     fake.repo_id = dl.REPO_ID
-    monkeypatch.setattr(dl, "hub_sizes", fake.sizes)
+    monkeypatch.setattr(dl, "hub_files", fake.info)
     monkeypatch.setattr(dl, "hub_download", fake.download)
     monkeypatch.setattr(dl.time, "sleep", lambda s: None)
     return fake
@@ -110,6 +119,34 @@ def test_download_places_verifies_and_resumes(hub, tmp_path):
     hub.calls.clear()
     dl.download("sp1024", 2, out, retries=1)
     assert hub.calls == ["datasets/tokenizers/fineweb_1024_bpe.vocab"]
+
+
+def test_a_damaged_file_of_the_right_size_is_fetched_again_and_good_files_are_not_reread(hub, tmp_path,
+                                                                                        monkeypatch):
+    """Only sizes and headers were checked: a shard with a damaged body, or a tokenizer overwritten with as many
+    bytes, counted as present (found by a review)."""
+    out = tmp_path / "data"
+    dl.download("sp1024", 1, out, retries=1)
+    shard = out / "datasets" / "fineweb10B_sp1024" / "fineweb_train_000000.bin"
+    body = bytearray(shard.read_bytes())
+    body[-4:] = b"\xff\xff\xff\xff"
+    shard.write_bytes(bytes(body))
+    tokenizer = out / "tokenizers" / "fineweb_1024_bpe.model"
+    tokenizer.write_bytes(b"X" * tokenizer.stat().st_size)
+    hub.calls.clear()
+    dl.download("sp1024", 1, out, retries=1)
+    assert sorted(hub.calls) == ["datasets/datasets/fineweb10B_sp1024/fineweb_train_000000.bin",
+                                 "datasets/tokenizers/fineweb_1024_bpe.model"]
+    assert tokenizer.read_bytes().startswith(b"tokenizer bytes")
+    hashed = []
+    real = dl.HubFile.digest_of
+    monkeypatch.setattr(dl.HubFile, "digest_of", lambda self, path: hashed.append(path.name) or real(self, path))
+    hub.calls.clear()
+    dl.download("sp1024", 1, out, retries=1)  # everything verified before and unchanged: nothing read again
+    assert hub.calls == [] and hashed == []
+    (out / "datasets" / ".verified.json").write_text("{broken")  # a damaged cache costs a re-read, nothing else
+    dl.download("sp1024", 1, out, retries=1)
+    assert hub.calls == [] and len(hashed) == 6  # the manifest and the five files
 
 
 def test_persistent_failure_is_reported_after_retries(hub, tmp_path):
