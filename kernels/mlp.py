@@ -39,6 +39,7 @@ except ImportError:  # triton is a Linux-only dependency (pyproject.toml); other
     mlp_triton = None
 
 _INTERPRETER_DTYPES = (torch.float32, torch.float16)  # the interpreter has no bfloat16
+_GPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the kernels compile for
 _INTERPRETER_PROGRAMS = 3  # the tma schedule on CPU: few programs, so each loops over several tiles
 
 
@@ -47,7 +48,7 @@ def kernels_used_for(t: torch.Tensor) -> bool:
     if mlp_triton is None:
         return False
     if t.device.type == "cuda":
-        return True
+        return t.dtype in _GPU_DTYPES  # float64, say, compiles to nothing: PyTorch ops compute it
     # The interpreter needs real data, so while torch.compile traces (fake tensors) CPU uses PyTorch ops.
     return (t.device.type == "cpu" and mlp_triton.kernels_interpreted() and t.dtype in _INTERPRETER_DTYPES
             and _has_data(t))
@@ -76,13 +77,21 @@ def _byte_address(t: torch.Tensor) -> int:
     return t.storage_offset() * t.element_size()
 
 
-def tma_compatible(*tensors: torch.Tensor) -> bool:
-    """Tensor descriptors need 16-byte aligned bases and row strides and a unit last stride."""
-    for t in tensors:
-        row_stride = max(t.stride(0), t.stride(1))
-        if min(t.stride(0), t.stride(1)) != 1 or _byte_address(t) % 16 or (row_stride * t.element_size()) % 16:
-            return False
-    return True
+def _descriptor_ok(t: torch.Tensor, unit: int) -> bool:
+    """A 16-byte aligned base, stride 1 along dimension `unit`, and along the other a 16-byte aligned stride that
+    steps past a whole line (not 0, as in a broadcast, nor overlapping)."""
+    other = t.stride(1 - unit)
+    return (t.stride(unit) == 1 and other >= max(t.shape[unit], 1) and not _byte_address(t) % 16
+            and not (other * t.element_size()) % 16)
+
+
+def tma_compatible(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aux: torch.Tensor) -> bool:
+    """Whether the tensor-descriptor kernel can take these operands. It reads a, and writes out and aux, as
+    row-major [M, K] / [M, N]; b may be row-major [K, N] or a transposed view of a row-major [N, K] (B_K_MAJOR).
+    A column-major a (x.transpose(...) reshaped without a copy, a transposed dy) was accepted and read as
+    row-major: wrong outputs and gradients with no error (found by a review)."""
+    return (all(_descriptor_ok(t, 1) for t in (a, out, aux))
+            and (_descriptor_ok(b, 1) or _descriptor_ok(b, 0)))
 
 
 def _check_schedule(schedule: str) -> None:
@@ -93,12 +102,14 @@ def _check_schedule(schedule: str) -> None:
 def resolve_schedule(schedule: str, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aux: torch.Tensor) -> str:
     """The schedule a launch uses. "auto": the tensor-descriptor kernel on Hopper and newer, tiled elsewhere.
     "tma" (asked for or chosen) falls back to "tiled" where descriptors cannot be used: layouts that are not
-    `tma_compatible` (a broadcast dy, say) or a CUDA GPU older than Hopper."""
+    `tma_compatible` (a broadcast dy, say), a CUDA GPU older than Hopper, or fp32 on a GPU (every tensor-descriptor
+    tile configuration needs more shared memory in fp32 than an H100 has)."""
     _check_schedule(schedule)
-    hopper = a.device.type == "cuda" and torch.cuda.get_device_capability(a.device) >= (9, 0)
+    cuda = a.device.type == "cuda"
+    hopper = cuda and torch.cuda.get_device_capability(a.device) >= (9, 0)
     if schedule == "auto":
         schedule = _HOPPER_DEFAULT if hopper else "tiled"
-    if schedule == "tma" and (not tma_compatible(a, b, out, aux) or (a.device.type == "cuda" and not hopper)):
+    if schedule == "tma" and (not tma_compatible(a, b, out, aux) or (cuda and (not hopper or a.dtype == torch.float32))):
         return "tiled"
     return schedule
 
@@ -124,6 +135,10 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aux: torch.
         raise ValueError(f"launch_gemm: schedule must be one of {SCHEDULES}, got {schedule!r}")
     M, K = a.shape
     N = b.shape[1]
+    if out.shape != (M, N) or aux.shape != (M, N) or out.stride() != aux.stride() or out.stride(1) != 1:
+        raise ValueError(f"launch_gemm: out and aux must be row-major [M, N] = [{M}, {N}] with one row stride (the "
+                         f"epilogue indexes both with out's); got {tuple(out.shape)} {out.stride()} and "
+                         f"{tuple(aux.shape)} {aux.stride()}; hint: pass .contiguous() tensors")
     if M == 0 or N == 0:
         return
     ieee_fp32 = a.dtype == torch.float32
@@ -222,15 +237,24 @@ def _check_inputs(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> 
     if not (x.dtype == w_up.dtype == w_down.dtype) or not (x.device == w_up.device == w_down.device):
         raise ValueError(f"fused_mlp: x, w_up, w_down must share dtype and device; got "
                          f"{x.dtype}/{x.device}, {w_up.dtype}/{w_up.device}, {w_down.dtype}/{w_down.device}; "
-                         f"hint: cast the weights (autocast does not reach this custom op)")
+                         f"hint: cast them to one dtype (under autocast fused_mlp casts them to its dtype)")
 
 
 def fused_mlp(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, schedule: str = "auto") -> torch.Tensor:
     """leaky_relu(x·W_upᵀ, 0.5)²·W_downᵀ for x [..., D], w_up [H, D], w_down [D_out, H]; differentiable.
 
     schedule: "auto" (the measured best for the GPU) or one of SCHEDULES, for benchmarks and tests;
-    see `resolve_schedule`. Ignored where PyTorch ops compute the MLP (`kernels_used_for`)."""
+    see `resolve_schedule`. Ignored where PyTorch ops compute the MLP (`kernels_used_for`).
+
+    Under autocast the inputs are cast to its dtype, as nn.Linear's would be, and the op runs with autocast off:
+    autocast reached the op's own torch.mm, which returned bf16 from fp32 inputs, and the backward then mixed
+    dtypes and failed."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, w_up, w_down = x.to(dtype), w_up.to(dtype), w_down.to(dtype)
     _check_inputs(x, w_up, w_down)
     _check_schedule(schedule)
-    y, _, _ = mlp_forward(x.reshape(-1, x.shape[-1]), w_up, w_down, schedule)
+    with torch.autocast(device, enabled=False):
+        y, _, _ = mlp_forward(x.reshape(-1, x.shape[-1]), w_up, w_down, schedule)
     return y.reshape(*x.shape[:-1], w_down.shape[0])

@@ -160,18 +160,54 @@ def test_schedule_selection_and_errors():
     assert mlp.tma_compatible(a, b, out, aux)
     assert mlp.resolve_schedule("auto", a, b, out, aux) == "tiled"  # CPU: the descriptor kernel is for Hopper
     assert mlp.resolve_schedule("tma", a, b, out, aux) == "tma"  # the interpreter runs it when asked
-    broadcast = torch.randn(1, 8).expand(8, 8)  # rows of stride 0
-    assert not mlp.tma_compatible(broadcast) and not mlp.tma_compatible(torch.randn(8, 5))  # 20-byte rows
+    broadcast = torch.randn(1, 16).expand(8, 16)  # rows of stride 0
+    assert not mlp.tma_compatible(broadcast, b, out, aux)
+    assert not mlp.tma_compatible(torch.randn(8, 5), torch.randn(5, 32), out, aux)  # 20-byte rows
     assert mlp.resolve_schedule("tma", broadcast, b, out, aux) == "tiled"
+    column_major = torch.randn(16, 8).t()  # a [8, 16] view with strides (1, 8): the kernel reads a row-major
+    assert not mlp.tma_compatible(column_major, b, out, aux)
+    assert mlp.tma_compatible(a, b.t().contiguous().t(), out, aux)  # b as a transposed row-major [N, K]: fine
     with FakeTensorMode():  # tracing: no data pointer, the storage offset decides
         fake = torch.empty(8, 16)
-        assert mlp.tma_compatible(fake) and not mlp.tma_compatible(fake[:, 1:])
+        fake_b, fake_out = torch.empty(16, 32), torch.empty(8, 32)
+        assert mlp.tma_compatible(fake, fake_b, fake_out, fake_out)
+        assert not mlp.tma_compatible(fake[:, 1:], fake_b[1:], fake_out, fake_out)
     with pytest.raises(ValueError, match="schedule must be"):
         mlp.fused_mlp(torch.randn(4, 16), torch.randn(32, 16), torch.randn(16, 32), schedule="fastest")
     with pytest.raises(ValueError, match="schedule must be one of"):
         mlp.launch_gemm(a, b, out, aux, mlp_triton.EPILOGUE_ACTIVATION, "fastest")
     with pytest.raises(ValueError, match="tma schedule needs"):
         mlp.launch_gemm(torch.randn(8, 5), torch.randn(5, 32), out, aux, mlp_triton.EPILOGUE_ACTIVATION, "tma")
+    with pytest.raises(ValueError, match="out and aux must be row-major"):  # the epilogue would index aux wrong
+        mlp.launch_gemm(a, b, out, aux.t().contiguous().t(), mlp_triton.EPILOGUE_ACTIVATION, "tiled")
+
+
+@pytest.mark.parametrize("schedule", mlp.SCHEDULES)
+def test_interpreter_column_major_x_and_dy(interpreter, schedule):
+    """x from a transpose (batch 1 reshapes it without a copy) and a transposed dy: the tma schedule read them as
+    row-major and gave wrong outputs and gradients with no error; it now falls back to tiled for them."""
+    x, w_up, w_down = make_inputs((1,), 40, 72, torch.float32)
+    x = torch.randn(1, 40, 37).transpose(1, 2)  # [1, 37, 40] whose reshape to [37, 40] has strides (1, 37)
+    assert x.reshape(-1, 40).stride() == (1, 37)
+    dy = torch.randn(1, 40, 37).transpose(1, 2)
+    got = forward_backward(lambda *a: mlp.fused_mlp(*a, schedule=schedule), x, w_up, w_down, dy)
+    want = reference_fp64(x, w_up, w_down, dy)
+    for name, mine, ref in zip(("y", "dx", "dw_up", "dw_down"), got, want):
+        assert rel_err(mine, ref) < 1e-5, name
+
+
+def test_fused_mlp_under_autocast_takes_fp32_tensors(interpreter):
+    """Autocast reached the op's own torch.mm (bf16 from fp32 inputs) and the backward failed on mixed dtypes."""
+    x, w_up, w_down = make_inputs((2, 9), 16, 32, torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (x, w_up, w_down)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mlp.fused_mlp(*leaves)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    ref = [t.clone().requires_grad_() for t in (x, w_up, w_down)]
+    mlp_reference(*ref).sum().backward()
+    for mine, want in zip(leaves, ref):
+        assert mine.grad.dtype == torch.float32 and rel_err(mine.grad, want.grad) < 2e-2
 
 
 @pytest.mark.parametrize("schedule", ["auto", "tma"])
@@ -247,6 +283,23 @@ def test_gpu_bf16_matches_reference(lead, d, h, schedule):
     x, w_up, w_down = make_inputs(lead, d, h, torch.bfloat16, device="cuda")
     assert mlp.kernels_used_for(x)
     assert_matches_reference(x, w_up, w_down, tol=1e-2, schedule=schedule)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("schedule", ["auto", *mlp.SCHEDULES])
+def test_gpu_fp32_fp16_and_column_major_inputs(schedule):
+    """fp32 on Hopper crashed in the default schedule (no tensor-descriptor tile fits its shared memory in fp32); a
+    column-major x was read as row-major by it. fp64 compiled to nothing: PyTorch ops compute it."""
+    for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
+        x, w_up, w_down = make_inputs((515,), 256, 512, dtype, device="cuda")
+        assert_matches_reference(x, w_up, w_down, tol=tol, schedule=schedule)
+    x, w_up, w_down = make_inputs((1,), 256, 512, torch.bfloat16, device="cuda")
+    x = torch.randn(1, 256, 1000, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    assert_matches_reference(x, w_up, w_down, tol=1e-2, schedule=schedule)
+    x64, w_up64, w_down64 = make_inputs((33,), 64, 96, torch.float64, device="cuda")
+    assert not mlp.kernels_used_for(x64)
+    assert_matches_reference(x64, w_up64, w_down64, tol=1e-10, schedule=schedule)
 
 
 @pytest.mark.gpu
