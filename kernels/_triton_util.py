@@ -245,6 +245,16 @@ def phi_operand(phi: torch.Tensor, stream_dtype: torch.dtype, lowp: bool) -> tor
 KERNEL_STREAMS = (2, 4, 8)  # the stream counts the kernels are tested at (model/config.py checks configs early)
 
 
+def require_contiguous(where: str, **tensors) -> None:
+    """The launchers index their tensors as dense row-major arrays ([T, n, C] streams, [T, ...] coefficients): a
+    view with other strides would be read wrong with no error. The public calls (kernels/mhc.py) pass contiguous
+    tensors; this guards direct callers (tests, benchmarks)."""
+    for name, t in tensors.items():
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{where}: {name} must be contiguous, got shape {tuple(t.shape)} with strides "
+                             f"{t.stride()}; hint: pass {name}.contiguous()")
+
+
 def check_streams(n: int, C: int, where: str) -> None:
     if n not in KERNEL_STREAMS:
         raise ValueError(f"{where}: the Triton mHC kernels take n_streams in {KERNEL_STREAMS}, got n={n}; "

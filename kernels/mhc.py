@@ -42,7 +42,11 @@ def kernels_run_on(x: Tensor) -> bool:
 
 
 def _check(x: Tensor, y: Tensor | None = None, h_res: Tensor | None = None, h_post: Tensor | None = None,
-           phi: Tensor | None = None, alpha: Tensor | None = None, bias: Tensor | None = None) -> None:
+           phi: Tensor | None = None, alpha: Tensor | None = None, bias: Tensor | None = None,
+           sinkhorn_iters: int | None = None) -> None:
+    if sinkhorn_iters is not None and sinkhorn_iters < 1:  # the backward recomputes at least one round
+        raise ValueError(f"mhc: sinkhorn_iters={sinkhorn_iters} must be >= 1 (hint: model.sinkhorn_iters, 20 by "
+                         "default)")
     if x.dim() < 2:
         raise ValueError(f"mhc: streams x must be [..., n, C], got shape {tuple(x.shape)}")
     *lead, n, C = x.shape
@@ -163,7 +167,7 @@ def mhc_pre(x, phi, alpha, bias, sinkhorn_iters: int = 20):
     """Coefficients + pre-mix for one sublayer: returns (u [..., C], h_post [..., n], h_res [..., n, n])."""
     if not kernels_run_on(x):
         return reference.mhc_pre(x, phi, alpha, bias, sinkhorn_iters)
-    _check(x, phi=phi, alpha=alpha, bias=bias)
+    _check(x, phi=phi, alpha=alpha, bias=bias, sinkhorn_iters=sinkhorn_iters)
     *lead, n, C = x.shape
     u, h_post, h_res, _, _ = torch.ops.mhcgolf.mhc_pre_fwd(x.reshape(-1, n, C), phi, alpha, bias, sinkhorn_iters)
     return u.view(*lead, C), h_post.view(*lead, n), h_res.view(*lead, n, n)
@@ -185,7 +189,7 @@ def mhc_post_pre(x, h_res, h_post, y, phi, alpha, bias, sinkhorn_iters: int = 20
     returns (x' [..., n, C], u_next [..., C], h_post_next [..., n], h_res_next [..., n, n])."""
     if not kernels_run_on(x):
         return reference.mhc_post_pre(x, h_res, h_post, y, phi, alpha, bias, sinkhorn_iters)
-    _check(x, y=y, h_res=h_res, h_post=h_post, phi=phi, alpha=alpha, bias=bias)
+    _check(x, y=y, h_res=h_res, h_post=h_post, phi=phi, alpha=alpha, bias=bias, sinkhorn_iters=sinkhorn_iters)
     *lead, n, C = x.shape
     x_new, u, h_post_next, h_res_next, _, _ = torch.ops.mhcgolf.mhc_post_pre_fwd(
         x.reshape(-1, n, C), h_res.reshape(-1, n, n), h_post.reshape(-1, n), y.reshape(-1, C),

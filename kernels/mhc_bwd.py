@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from kernels._triton_util import (apply_stream, channel_block, load_mixing, load_streams, num_coefficients,
-                                  padded_columns, phi_operand, program_slots, sigmoid, sinkhorn_bwd,
-                                  store_streams)
+                                  padded_columns, phi_operand, program_slots, require_contiguous, sigmoid,
+                                  sinkhorn_bwd, store_streams)
 
 
 @triton.jit
@@ -122,7 +122,7 @@ def coef_bwd_kernel(
 def _g_phi(g, phit_ptr, col, k, kmask, N: tl.constexpr, K):
     """(G phi^T) over the projection rows k: [BT, NP] x [NP, len(k)] on the tensor cores."""
     phi_t = tl.load(phit_ptr + col[:, None] * K + k[None, :], mask=(col < N)[:, None] & kmask[None, :], other=0.0)
-    return tl.dot(g, phi_t.to(g.dtype))
+    return tl.dot(g, phi_t.to(g.dtype), input_precision="ieee")  # fp32 operands (not LOWP): no TF32 rounding
 
 
 @triton.jit
@@ -252,7 +252,7 @@ def dphi_kernel(xs_ptr, aux_ptr, part_ptr, T, K,
         if LOWP:
             acc += tl.dot(tl.trans(xt), g.to(xs_ptr.dtype.element_ty))
         else:
-            acc += tl.dot(tl.trans(xt.to(tl.float32)), g)
+            acc += tl.dot(tl.trans(xt.to(tl.float32)), g, input_precision="ieee")
     tl.store(part_ptr + pid_s.to(tl.int64) * K * NP + k[:, None] * NP + col[None, :], acc, mask=kmask[:, None])
 
 
@@ -294,6 +294,8 @@ def dphi_config(device: torch.device) -> dict:
 def launch_coef_bwd(launch, xs, du, dh_post, dh_res, raw, rinv, alpha, bias, iters: int, cfg: dict | None = None):
     """Returns (aux [T, NP]: G in columns [0, N) and the rms factor in column N, d(alpha) [3], d(bias) [N])."""
     T, n, C = xs.shape
+    require_contiguous("launch_coef_bwd", xs=xs, du=du, dh_post=dh_post, dh_res=dh_res, raw=raw, rinv=rinv)
+    alpha, bias = alpha.contiguous(), bias.contiguous()
     N, NP = num_coefficients(n), padded_columns(n)
     cfg = dict(coef_bwd_config(xs.device) if cfg is None else cfg)
     BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"), n)
@@ -313,6 +315,7 @@ def launch_stream_bwd(launch, x, y, h_res, h_post, dx_new, du, aux, phi, cfg: di
     """Stream gradients. With y: x' = apply(x, ...) and dx_new is its incoming gradient; with du:
     the coefficient path of pre(x') (phi [n*C, N]). Returns (dx, dy, dh_res, dh_post), None where absent."""
     T, n, C = x.shape
+    require_contiguous("launch_stream_bwd", x=x, y=y, h_res=h_res, h_post=h_post, dx_new=dx_new, du=du, aux=aux)
     N, NP = num_coefficients(n), padded_columns(n)
     apply, coef = y is not None, du is not None
     cfg = dict(stream_bwd_config(x.device, n) if cfg is None else cfg)

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from kernels._triton_util import (apply_streams, channel_block, check_streams, load_mixing, load_streams,
-                                  num_coefficients, padded_columns, phi_operand, pre_gates, sigmoid,
-                                  sinkhorn_fwd, store_streams)
+                                  num_coefficients, padded_columns, phi_operand, pre_gates, require_contiguous,
+                                  sigmoid, sinkhorn_fwd, store_streams)
 from kernels.mhc_reference import RMS_EPS
 
 
@@ -41,7 +41,8 @@ def coef_premix_kernel(
     BT: tl.constexpr, BC: tl.constexpr,
 ):
     """LOWP (bf16 streams): the projection x'.phi takes bf16 operands (the stored x' and phi^T, on the tensor
-    cores) with fp32 accumulation and an fp32 result; the reference is fp32 throughout. APPLY_PASS: the
+    cores) with fp32 accumulation and an fp32 result; the reference is fp32 throughout. Without LOWP the operands
+    are fp32 and the product IEEE fp32 (Triton's default for fp32 operands is TF32, 1e-4 off). APPLY_PASS: the
     apply runs as a pass of its own over all channels before the projection, so that neither loop holds a
     barrier (pass 1 otherwise stores, syncs and reloads each channel tile, which keeps its loads from
     overlapping iterations).
@@ -93,7 +94,7 @@ def coef_premix_kernel(
             ss += tl.sum(xf * xf, axis=1)
             ph = tl.load(phit_ptr + col[None, :] * K + (i * C + c)[:, None],
                          mask=cmask[:, None] & (col < N)[None, :], other=0.0)
-            acc += tl.dot(xs[i], ph)
+            acc += tl.dot(xs[i], ph, input_precision="ieee")  # fp32 operands (not LOWP): no TF32 rounding
 
     # Coefficients, per token in registers. raw goes through global memory (the backward needs it)
     # and comes back as one [BT] vector per column, the form the gates and Sinkhorn work on.
@@ -167,6 +168,8 @@ def launch_coef_premix(launch, x, y, h_res, h_post, phi, alpha, bias, iters: int
     (x' or None, u [T, C], h_post' [T, n], h_res' [T, n, n], raw [T, N], inv_rms [T])."""
     T, n, C = x.shape
     check_streams(n, C, "mhc coefficients")
+    require_contiguous("launch_coef_premix", x=x, y=y, h_res=h_res, h_post=h_post)
+    alpha, bias = alpha.contiguous(), bias.contiguous()  # read as dense vectors (a strided bias gave wrong gates)
     apply = y is not None
     cfg = dict(fwd_config(x.device, n, apply) if cfg is None else cfg)
     N = num_coefficients(n)
@@ -194,6 +197,7 @@ def launch_coef_premix(launch, x, y, h_res, h_post, phi, alpha, bias, iters: int
 def launch_apply(launch, x, y, h_res, h_post):
     T, n, C = x.shape
     check_streams(n, C, "mhc apply")
+    require_contiguous("launch_apply", x=x, y=y, h_res=h_res, h_post=h_post)
     x_new = torch.empty_like(x)
     BT, BC, warps = (32, channel_block(C, 128, n), 8) if x.is_cuda else (16, channel_block(C, 32, n), 4)
     grid = (triton.cdiv(T, BT), triton.cdiv(C, BC))

@@ -80,9 +80,11 @@ def mhc_premix(x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
 
 
 def mhc_apply(x: torch.Tensor, h_res: torch.Tensor, h_post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x'_i = sum_j h_res[i, j] * x_j + h_post[i] * y, accumulated in fp32. [..., n, C]"""
-    mixed = torch.matmul(h_res, x.float())
-    return (mixed + h_post.unsqueeze(-1) * y.float().unsqueeze(-2)).to(x.dtype)
+    """x'_i = sum_j h_res[i, j] * x_j + h_post[i] * y, accumulated in fp32. [..., n, C]
+    With autocast off: it would run the matmul in bf16 (H_res rounded, rows summing to 1 only within 2e-3)."""
+    with torch.autocast(x.device.type, enabled=False):
+        mixed = torch.matmul(h_res.float(), x.float())
+        return (mixed + h_post.float().unsqueeze(-1) * y.float().unsqueeze(-2)).to(x.dtype)
 
 
 def mhc_init_bias(n: int, res_diag_logit: float = 2.0) -> torch.Tensor:

@@ -329,6 +329,40 @@ def test_bad_inputs_raise_clear_errors(bad, match):
         call(K, "post_pre", inp)
 
 
+@interpreted
+def test_strided_alpha_and_bias_are_read_as_their_values():
+    """The kernels read alpha and bias as dense vectors: a strided view gave wrong gates (u 0.52 off) with no error."""
+    inp = make_inputs(4, 48, (5,))
+    strided = dict(inp, alpha=torch.stack([inp["alpha"], torch.zeros(3)], 1)[:, 0],
+                   bias=torch.stack([inp["bias"], torch.zeros_like(inp["bias"])], 1)[:, 0])
+    assert strided["alpha"].stride() == (2,) and strided["bias"].stride() == (2,)
+    for name in ("pre", "post_pre"):
+        mine, _ = outputs_and_grads(K, name, strided)
+        ref, _ = outputs_and_grads(R, name, inp)
+        assert all(rel(a, b) < 1e-5 for a, b in zip(mine, ref)), name
+
+
+@interpreted
+def test_launchers_refuse_layouts_they_would_misread():
+    """The public calls pass contiguous tensors; a direct caller's column-major x was read as row-major (1.4 off)."""
+    from kernels.mhc_fwd import launch_apply, launch_coef_premix
+    inp = make_inputs(4, 48, (6,))
+    x_cm = inp["x"].permute(2, 1, 0).contiguous().permute(2, 1, 0)
+    with pytest.raises(ValueError, match=r"launch_apply: x must be contiguous.*hint: pass x.contiguous\(\)"):
+        launch_apply(lambda kernel: kernel, x_cm, inp["y"], inp["h_res"], inp["h_post"])
+    with pytest.raises(ValueError, match="launch_coef_premix: x must be contiguous"):
+        launch_coef_premix(lambda kernel: kernel, x_cm, None, None, None, inp["phi"], inp["alpha"], inp["bias"], 20)
+
+
+@interpreted
+def test_zero_sinkhorn_rounds_are_refused():
+    """Its backward assumes at least one round: with 0 the gradients were silently wrong (d alpha 2.1 off)."""
+    inp = make_inputs(4, 48, (5,))
+    for name in ("pre", "post_pre"):
+        with pytest.raises(ValueError, match="sinkhorn_iters=0 must be >= 1"):
+            call(K, name, inp, iters=0)
+
+
 def test_compiles_fullgraph_on_cpu():
     """The public calls trace with no graph break (here through the reference fallback)."""
     inp = make_inputs(4, 48, (2, 7))
@@ -363,6 +397,16 @@ def test_gpu_bf16_matches_reference(name, n, C, lead):
     by more than the bf16 rounding of its terms)."""
     inp = make_inputs(n, C, lead, device="cuda", dtype=torch.bfloat16)
     assert_close_to_reference(name, inp, out_tol=1e-2, grad_tol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["pre", "post_pre"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_gpu_fp32_streams_are_computed_in_fp32(name, n, monkeypatch):
+    """tl.dot on fp32 operands defaults to TF32: fp32 streams were 1.5e-4 off (gradients up to 1.2e-3), not ~1e-7."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # the reference in fp32 too
+    assert_close_to_reference(name, make_inputs(n, 256, (300,), device="cuda"), out_tol=1e-5, grad_tol=1e-5)
 
 
 @pytest.mark.gpu

@@ -84,6 +84,22 @@ def test_reference_coefficients_are_fp32_under_autocast():
     assert all(torch.equal(a, b) and b.dtype == torch.float32 for a, b in zip(exact, under_autocast))
 
 
+def test_reference_apply_is_fp32_under_autocast():
+    """The apply's matmul ran in bf16 under autocast (H_res rounded, its rows summing to 1 only within 2e-3; found by
+    a review), though its docstring said fp32."""
+    from kernels.mhc_reference import mhc_apply
+    torch.manual_seed(0)
+    n, C = 4, 16
+    x, y = torch.randn(3, 7, n, C), torch.randn(3, 7, C)
+    h_res = torch.softmax(torch.randn(3, 7, n, n), -1)
+    h_post = torch.rand(3, 7, n) * 2
+    exact = mhc_apply(x, h_res, h_post, y)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = mhc_apply(x, h_res, h_post, y)
+    assert torch.equal(exact, under_autocast) and under_autocast.dtype == torch.float32
+    assert mhc_apply(x.half(), h_res.half(), h_post, y.half()).dtype == torch.float16  # fp16 H_res: no dtype error
+
+
 def test_sinkhorn_of_large_logits_stays_finite():
     m = sinkhorn_knopp(torch.tensor([[[200.0, 0.0], [0.0, 200.0]]]), 20)
     assert torch.isfinite(m).all() and torch.allclose(m, torch.eye(2).unsqueeze(0), atol=1e-6)
