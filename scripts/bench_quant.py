@@ -41,8 +41,9 @@ from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit  
 from training.export import export_model  # noqa: E402
 
 
-def load_weights(checkpoint: Path, model: torch.nn.Module) -> str:
-    """Put the checkpoint's shipped weights into `model`; returns which ones ('ema' or 'model')."""
+def load_weights(checkpoint: Path, model: torch.nn.Module) -> tuple[str, float]:
+    """Put the checkpoint's shipped weights into `model`; returns which ones ('ema' or 'model') and the seconds of
+    training the checkpoint records (the export checks calibration against the budget left after them)."""
     path = checkpoint / "rank0.pt"
     if not path.is_file():
         raise SystemExit(f"{checkpoint}: no rank0.pt (hint: pass a step_NNNNNNNN folder written by train.py's "
@@ -53,13 +54,14 @@ def load_weights(checkpoint: Path, model: torch.nn.Module) -> str:
     except RuntimeError as e:
         raise SystemExit(f"{path}: the weights do not fit the model of --config ({str(e).splitlines()[0]}); "
                          "hint: pass the run's own config and model overrides") from None
+    train_time_s = float(state.get("train_time_s", 0.0))
     if "ema" not in state:
-        return "model"
+        return "model", train_time_s
     live = model.state_dict()
     with torch.no_grad():
         for name, shadow in state["ema"]["shadow"].items():
             live[name].copy_(shadow)
-    return "ema"
+    return "ema", train_time_s
 
 
 def check_variants(config: str, common: list[str], variants) -> dict:
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"bench_quant: {e}") from None
     device = init_distributed(cfg.train.device).device  # one process; train.device=cuda without a GPU is an error
     model = GPT(cfg.model)
-    source = load_weights(args.checkpoint, model)
+    source, train_time_s = load_weights(args.checkpoint, model)
     model.to(device)
     amp = torch.bfloat16 if device.type == "cuda" else None
     pre = evaluate_bpb(model, val_tokens, lut, context=cfg.eval.context, stride=cfg.eval.stride,
@@ -138,7 +140,8 @@ def main(argv=None) -> int:
             artifact = out_dir / f"{v.name}.mhcg"
             t0 = time.perf_counter()
             report = export_model(vcfg, model, train_files=train_files, rank=0, world_size=1,
-                                  log=lambda line: None, artifact_path=artifact, tokenizer_sha256=sha, device=device)
+                                  log=lambda line: None, artifact_path=artifact, tokenizer_sha256=sha, device=device,
+                                  train_time_s=train_time_s)
             seconds = time.perf_counter() - t0
             if "export_error" in report:
                 raise SystemExit(f"variant {v.name}: {report['export_error']}")
