@@ -106,11 +106,16 @@ def main(argv=None, default_config: str | None = None) -> dict:
         failure = e
     fail_together(failure, "wandb.init")
     log, failure = None, None
+    reused = not cfg.train.resume and log_path(cfg.train.log_dir, run_id).exists()
     try:  # rank 0 alone opens the log file
         log = RunLog(log_path(cfg.train.log_dir, run_id), dist.rank == 0, wandb_run)
     except Exception as e:
         failure = e
     fail_together(failure, "to open the run log")
+    if reused:  # said at the top of the new run's lines, and on the terminal
+        log(f"WARNING {log_path(cfg.train.log_dir, run_id)} already holds a run of train.run_id={run_id}: this run is "
+            "appended to it and replaces its artifact (scripts.runlog reads the newest run; export_record refuses "
+            "such a log); hint: a new train.run_id keeps runs apart")
     log(f"run {run_id}  commit {git_commit(REPO)}  world_size {dist.world_size}  device {device}")
     log("versions " + json.dumps(versions()))
     log("config " + json.dumps(to_dict(cfg), sort_keys=True))
@@ -213,7 +218,7 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
         return evaluate_bpb(m, val.tokens, val.lut, context=cfg.eval.context, stride=cfg.eval.stride,
                             batch_seqs=cfg.eval.batch_seqs, device=device,
                             autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                            rank=dist.rank, world_size=dist.world_size)
+                            rank=dist.rank, world_size=dist.world_size, progress=log)
 
     budget = cfg.train.time_budget_s - cfg.quant.calib_reserve_s if cfg.train.time_budget_s else 0.0
     checkpointer.install_signal_handlers()
@@ -252,7 +257,8 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
         raise SystemExit(f"no artifact: {export['export_error']}")
     t0 = time.perf_counter()
     scored = evaluate_artifact(artifact, val.tokens, val.lut, cfg.eval, device=device, rank=dist.rank,
-                               world_size=dist.world_size, tokenizer_sha256=file_sha256(cfg.data.tokenizer))
+                               world_size=dist.world_size, tokenizer_sha256=file_sha256(cfg.data.tokenizer),
+                               progress=log)
     log.record("eval", stage="artifact", seconds=round(time.perf_counter() - t0, 1), **scored)
     final.update({k: scored[k] for k in ("val_loss", "val_bpb", "tokens", "bytes", "artifact_bytes",
                                          "code_bytes", "total_bytes", "fits_cap")})

@@ -2,12 +2,16 @@
 
     python -m data.inspect SHARD... [--vocab-size N]
 
+A SHARD may be a quoted glob ('DIR/fineweb_*.bin'), expanded as the configs' data.* patterns are.
+
 Exits with status 1 and a message naming the file on the first corrupt, truncated or oversized shard.
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
 import sys
 
 from data.shards import ShardError, count_documents, read_shard
@@ -26,7 +30,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("shards", nargs="+", metavar="SHARD")
     p.add_argument("--vocab-size", type=int, default=None, help="also require every id to be below this")
     a = p.parse_args(argv)
-    for path in a.shards:
+    paths = [match for pattern in a.shards
+             for match in (sorted(glob.glob(os.path.expanduser(pattern))) if glob.has_magic(pattern) else [pattern])]
+    if not paths:
+        sys.exit(f"data.inspect: no shard files match {' '.join(a.shards)} (hint: check the path)")
+    for path in paths:
         try:
             print(json.dumps(shard_summary(path, a.vocab_size)), flush=True)
         except ShardError as exc:

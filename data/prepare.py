@@ -246,7 +246,8 @@ def prepare(inputs: list[str], tokenizer: str, out_dir: str | os.PathLike, *, va
     val = list(itertools.islice(docs, val_docs))
     first_train = next(docs, None)  # at least one document must be left to train on
     if first_train is None and val_docs:
-        raise ValueError(f"--val-docs {val_docs} but the inputs hold only {len(val)} documents, none left to train")
+        raise ValueError(f"--val-docs {val_docs} but the inputs hold only {len(val)} documents, none left to train "
+                         "(hint: a smaller --val-docs, or separate validation text with --val-input FILE)")
     if first_train is None:
         raise ValueError("the inputs hold no documents (hint: check --input)")
     docs = itertools.chain([first_train], docs)
@@ -256,7 +257,9 @@ def prepare(inputs: list[str], tokenizer: str, out_dir: str | os.PathLike, *, va
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, help="training text: .txt, .jsonl, .jsonl.gz, .jsonl.xz")
+    p.add_argument("--input", nargs="+", required=True,
+                   help="training text: .txt (one document per non-empty line), .jsonl, .jsonl.gz, .jsonl.xz (one "
+                        "JSON object per line, the document in \"text\")")
     p.add_argument("--tokenizer", required=True, help="SentencePiece .model")
     p.add_argument("--out", required=True, help="output directory")
     val = p.add_mutually_exclusive_group()

@@ -98,24 +98,25 @@ def recorded_eval(meta: dict, source: str | Path = "the artifact", **given: int 
 
 def evaluate_artifact(artifact: str | Path, val_tokens, lut: ByteLUT, eval_cfg: EvalConfig, *,
                       device: torch.device, rank: int = 0, world_size: int = 1,
-                      tokenizer_sha256: str | None = None) -> dict:
+                      tokenizer_sha256: str | None = None, progress=None) -> dict:
     artifact = Path(artifact)
     model, meta = load_model(artifact, device)
     return score_model(artifact, model, meta, val_tokens, lut, eval_cfg, device=device, rank=rank,
-                       world_size=world_size, tokenizer_sha256=tokenizer_sha256)
+                       world_size=world_size, tokenizer_sha256=tokenizer_sha256, progress=progress)
 
 
 def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT, eval_cfg: EvalConfig, *,
                 device: torch.device, rank: int = 0, world_size: int = 1,
-                tokenizer_sha256: str | None = None) -> dict:
-    """BPB of the model loaded from `artifact`, and the shipped size (artifact + counted code)."""
+                tokenizer_sha256: str | None = None, progress=None) -> dict:
+    """BPB of the model loaded from `artifact`, and the shipped size (artifact + counted code). progress: see
+    training.evaluate.evaluate_bpb."""
     if tokenizer_sha256 and meta.get("tokenizer_sha256") not in (None, tokenizer_sha256):
         raise ArtifactError(f"{artifact}: trained with tokenizer sha256 {meta['tokenizer_sha256'][:12]}…, "
                          f"evaluating with {tokenizer_sha256[:12]}… (hint: pass the run's tokenizer)")
     result = evaluate_bpb(model, val_tokens, lut, context=eval_cfg.context, stride=eval_cfg.stride,
                           batch_seqs=eval_cfg.batch_seqs, device=device,
                           autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                          rank=rank, world_size=world_size)
+                          rank=rank, world_size=world_size, progress=progress)
     sizes = check_total(artifact.stat().st_size, code_bytes(REPO))
     result.update(context=eval_cfg.context, stride=eval_cfg.stride, max_tokens=eval_cfg.max_tokens,
                   artifact_bytes=sizes["artifact_bytes"], code_bytes=sizes["code_bytes"],
@@ -159,6 +160,10 @@ def score(a: argparse.Namespace, p: argparse.ArgumentParser, device: torch.devic
     """The command line's scoring; the cheap inputs (shards, tokenizer) are checked before the model is built."""
     pattern = str(Path(a.val) / "fineweb_val_*.bin") if Path(a.val).is_dir() else a.val
     shards, sp = list_shards(pattern), load_sp(a.tokenizer)
+    training = [s for s in shards if Path(s).name.startswith("fineweb_train_")]
+    if training:  # 'DIR/*.bin' matched the training shards too, and they sort first
+        raise ShardError(f"--val {a.val} matches training shards ({Path(training[0]).name} and {len(training) - 1} more): "
+                         "a score on them is no validation score (hint: --val DIR, or 'DIR/fineweb_val_*.bin')")
     model, meta = load_model(Path(a.artifact), device)
     eval_cfg = recorded_eval(meta, a.artifact, context=a.context, stride=a.stride, max_tokens=a.max_tokens,
                              batch_seqs=a.batch_seqs)
@@ -169,8 +174,8 @@ def score(a: argparse.Namespace, p: argparse.ArgumentParser, device: torch.devic
     tokens = load_tokens(shards, eval_cfg.max_tokens)
     lut = build_byte_lut(sp)
     require_byte_audit(tokens, sp, lut, pattern, a.tokenizer)  # BPB's denominator, as train.py checks it
-    result = score_model(Path(a.artifact), model, meta, tokens, lut, eval_cfg,
-                         device=device, tokenizer_sha256=file_sha256(a.tokenizer))
+    result = score_model(Path(a.artifact), model, meta, tokens, lut, eval_cfg, device=device,
+                         tokenizer_sha256=file_sha256(a.tokenizer), progress=lambda line: print(line, file=sys.stderr))
     print(json.dumps(result, sort_keys=True))
     if not result["fits_cap"]:
         sys.exit(f"total {result['total_bytes']:,} bytes is over the 16,000,000-byte cap by "

@@ -282,6 +282,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for o in overrides:
         if o.startswith(SET_BY_SCRIPT):
             p.error(f"override {o!r}: train.seed and train.run_id are set per seed by this script")
+    missing = [log for log in a.baseline if not Path(log).is_file()]
+    if missing:  # a shell glob that matched nothing arrives as the pattern itself (checked before counting them)
+        p.error(f"--baseline {missing[0]}: no such log file"
+                + override_hint(missing[0], " (hint: train.py writes <train.log_dir>/<run_id>.txt)"))
     if a.baseline and (len(a.baseline) < 2 or len(a.seeds) < 2):
         p.error(f"--baseline with {len(a.baseline)} log(s) and {len(a.seeds)} seed(s): Welch's t-test needs at "
                 "least 2 runs on each side")
@@ -289,10 +293,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--nproc-per-node {a.nproc_per_node}: expected >= 1 (processes per seed)")
     if a.out and (problem := output_problem(a.out, folder=True)):  # before the seeds run, not after
         p.error(f"--out {a.out}: {problem}")
-    missing = [log for log in a.baseline if not Path(log).is_file()]
-    if missing:  # a shell glob that matched nothing arrives as the pattern itself
-        p.error(f"--baseline {missing[0]}: no such log file"
-                + override_hint(missing[0], " (hint: train.py writes <train.log_dir>/<run_id>.txt)"))
     return a
 
 

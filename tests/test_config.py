@@ -136,9 +136,15 @@ def test_nan_and_degenerate_sizes_are_refused(override, message):
 
 
 def test_a_batch_that_does_not_divide_into_micro_batches_is_refused_when_the_config_loads():
+    """The hint said to change micro_batch_seqs even where no micro_batch_seqs could help (found by a review)."""
     with pytest.raises(ConfigError, match=re.escape("train.batch_tokens=5000 is not a multiple of "
-                                                    "train.micro_batch_seqs(8) x data.seq_len(256) = 2048")):
+                                                    "train.micro_batch_seqs(8) x data.seq_len(256) = 2048 (hint: "
+                                                    "train.batch_tokens must be a multiple of data.seq_len = 256, "
+                                                    "e.g. 5120)")):
         load_config(None, ["train.batch_tokens=5000"])
+    with pytest.raises(ConfigError, match=re.escape("(hint: a train.micro_batch_seqs that divides 12 sequences per "
+                                                    "rank, e.g. 4)")):
+        load_config(None, ["train.batch_tokens=12288", "train.micro_batch_seqs=5", "data.seq_len=1024"])
 
 
 def test_time_schedule_needs_a_budget():

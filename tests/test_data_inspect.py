@@ -41,3 +41,13 @@ def test_damaged_shards_exit_nonzero_naming_the_file(tmp_path):
     assert out.returncode == 1 and "not below vocab_size 5" in out.stderr
     out = run_inspect(tmp_path)  # a folder: a traceback (IsADirectoryError) before
     assert out.returncode == 1 and "Is a directory (hint: give shard files" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_quoted_glob_is_expanded_like_the_configs_patterns(tmp_path):
+    write_shard(tmp_path / "fineweb_train_000000.bin", [BOS_ID, 5])
+    write_shard(tmp_path / "fineweb_train_000001.bin", [BOS_ID, 6, 7])
+    out = run_inspect(f"{tmp_path}/fineweb_train_*.bin")
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(line)["tokens"] for line in out.stdout.splitlines()] == [2, 3]
+    out = run_inspect(f"{tmp_path}/fineweb_val_*.bin")
+    assert out.returncode == 1 and "no shard files match" in out.stderr

@@ -87,6 +87,9 @@ def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path,
     evaluate.main(args + ["--stride", "0"])
     windows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (windows["context"], windows["stride"]) == (32, 0) and windows["val_bpb"] != final["val_bpb"]
+    with pytest.raises(SystemExit, match="matches training shards .*hint: --val DIR"):  # 'DIR/*.bin' sorts train first
+        evaluate.main(["--artifact", str(artifact), "--val", f"{demo_dir}/*.bin", "--tokenizer",
+                       str(demo_dir / "tokenizer.model")])
     with pytest.raises(SystemExit):  # a negative cap would silently drop the last tokens
         evaluate.main(args + ["--max-tokens", "-5"])
     assert "eval.max_tokens=-5 must be >= 0" in capsys.readouterr().err
@@ -120,6 +123,24 @@ def test_calibration_on_training_tokens_is_checked_against_the_budget():
     assert calibration_within_budget(no_budget, 99.0, 500.0, lines.append) is None
     generated = load_config(demo, ["train.time_budget_s=60", "quant.calib_source=generated"])
     assert calibration_within_budget(generated, 99.0, 55.0, lines.append) is None
+
+
+def test_a_reused_run_id_and_a_run_ending_inside_warmup_are_said(demo_dir, tmp_path, monkeypatch, capsys):
+    """A second run under one run_id was appended to the first's log with no word (export_record then refused the
+    log); a budget that ended the run inside the warmup gave a meaningless score, also silently. Long scoring on a
+    CPU prints progress."""
+    import train
+    import training.evaluate
+    monkeypatch.setattr(training.evaluate, "PROGRESS_EVERY_S", 0.0)
+    args = ["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path), "train.max_steps=2"]
+    train.main(args)
+    assert "already holds a run" not in capsys.readouterr().out
+    train.main(args[:-1] + ["train.max_steps=100000", "train.time_budget_s=3", "quant.calib_reserve_s=1",
+                            "train.schedule=time", "optim.warmup_steps=100000"])
+    out = capsys.readouterr().out
+    assert "WARNING" in out and "logs/tiny.txt already holds a run of train.run_id=tiny" in out
+    assert "WARNING the time budget ended the run at step" in out and "learning-rate warmup" in out
+    assert "scoring: " in out and " windows in " in out
 
 
 @pytest.mark.parametrize("seqs,source", [(10, "train"), (3, "train"), (16, "train"), (10, "generated")])
@@ -380,10 +401,12 @@ def test_an_error_mid_run_closes_the_loader_and_exits_cleanly(demo_dir, tmp_path
 
 
 @pytest.mark.slow
-def test_readme_demo_command_completes():
-    """`scripts/run_demo.sh` as the README shows it (a shorter budget: the path is the same)."""
+def test_readme_demo_command_completes(tmp_path):
+    """`scripts/run_demo.sh` as the README shows it (a shorter budget: the path is the same). Its log and artifact
+    go to a temporary folder: in the checkout's logs/ every run of the suite appended another run to one log."""
     import subprocess
-    done = subprocess.run([str(REPO / "scripts/run_demo.sh"), "train.time_budget_s=15", "train.run_id=readme-demo"],
+    done = subprocess.run([str(REPO / "scripts/run_demo.sh"), "train.time_budget_s=15", "train.run_id=readme-demo",
+                           f"train.log_dir={tmp_path}/logs", f"train.out_dir={tmp_path}/runs"],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()

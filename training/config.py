@@ -225,10 +225,17 @@ def grad_accum_steps(cfg: Config, world_size: int) -> int:
     per_micro = world_size * cfg.train.micro_batch_seqs * cfg.data.seq_len
     if cfg.train.batch_tokens % per_micro:
         ranks = f"world_size({world_size}) x " if world_size > 1 else ""
+        per_seq = world_size * cfg.data.seq_len
+        if cfg.train.batch_tokens % per_seq:  # no micro_batch_seqs can help
+            hint = (f"train.batch_tokens must be a multiple of {ranks}data.seq_len = {per_seq}, e.g. "
+                    f"{max(1, round(cfg.train.batch_tokens / per_seq)) * per_seq}")
+        else:
+            seqs = cfg.train.batch_tokens // per_seq
+            fits = [d for d in range(1, min(seqs, cfg.train.micro_batch_seqs) + 1) if seqs % d == 0]
+            hint = f"a train.micro_batch_seqs that divides {seqs} sequences per rank, e.g. {fits[-1]}"
         raise ConfigError(
             f"train.batch_tokens={cfg.train.batch_tokens} is not a multiple of {ranks}train.micro_batch_seqs("
-            f"{cfg.train.micro_batch_seqs}) x data.seq_len({cfg.data.seq_len}) = {per_micro} (hint: change "
-            "micro_batch_seqs so it divides)")
+            f"{cfg.train.micro_batch_seqs}) x data.seq_len({cfg.data.seq_len}) = {per_micro} (hint: {hint})")
     return cfg.train.batch_tokens // per_micro
 
 

@@ -8,6 +8,8 @@ scored exactly once, by one window that contains only tokens before it, with a f
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -16,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from data.tokenizer import ByteLUT
+
+PROGRESS_EVERY_S = 30.0  # evaluate_bpb's progress lines
 
 
 @dataclass(frozen=True)
@@ -105,8 +109,10 @@ def evaluate_bpb(
     autocast_dtype: torch.dtype | None = None,
     rank: int = 0,
     world_size: int = 1,
+    progress: Callable[[str], None] | None = None,
 ) -> dict:
-    """Score `tokens` (uint16 1-D) with `model.token_nll`; windows are split across ranks."""
+    """Score `tokens` (uint16 1-D) with `model.token_nll`; windows are split across ranks. progress: called with a
+    line every PROGRESS_EVERY_S seconds of scoring (a CPU scores the full validation set for minutes)."""
     windows = plan_windows(len(tokens), context, stride)
     mine = windows[rank * len(windows) // world_size:(rank + 1) * len(windows) // world_size]
     all_tokens = torch.from_numpy(tokens.astype(np.int64))
@@ -121,9 +127,16 @@ def evaluate_bpb(
     groups: dict[int, list[Window]] = {}
     for w in mine:
         groups.setdefault(w.length, []).append(w)
+    t0 = last_said = time.perf_counter()
+    done = 0
     for length, ws in groups.items():
         offsets = torch.arange(length + 1)
         for i in range(0, len(ws), batch_seqs):
+            if progress is not None and time.perf_counter() - last_said >= PROGRESS_EVERY_S and done:
+                last_said, elapsed = time.perf_counter(), time.perf_counter() - t0
+                progress(f"scoring: {done:,} of {len(mine):,} windows in {elapsed:.0f} s, about "
+                         f"{elapsed * (len(mine) - done) / done:.0f} s left")
+            done += len(ws[i:i + batch_seqs])
             chunk = ws[i:i + batch_seqs]
             starts = torch.tensor([w.start for w in chunk])
             seqs = all_tokens[starts[:, None] + offsets]

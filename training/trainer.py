@@ -140,6 +140,10 @@ def run_training(
             if stop:  # a signal that reached any rank stops them all at this step
                 stopped_by = "signal"
                 break
+    if stopped_by == "time_budget" and completed < cfg.optim.warmup_steps:
+        log(f"WARNING the time budget ended the run at step {completed}, inside the {cfg.optim.warmup_steps}-step "
+            "learning-rate warmup: the score says little about the recipe (hint: a longer train.time_budget_s; on a "
+            "shared CPU, OMP_NUM_THREADS=1 may run more steps)")
     if completed > last_log_step:  # stopped between log steps (the budget, a signal): the last step is logged too,
         record_step(loss, lr_mult)  # and a loss gone NaN since the last log step stops the run here, named
     sync()
