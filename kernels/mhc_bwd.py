@@ -347,7 +347,9 @@ def launch_dphi(launch, xs, aux, cfg: dict | None = None):
     cfg = dict(dphi_config(xs.device) if cfg is None else cfg)
     BT, BK = cfg.pop("BT"), cfg.pop("BK")
     chunks = triton.cdiv(K, BK)
-    splits = cfg.pop("splits", None) or max(1, min(triton.cdiv(T, BT), program_slots(xs.device) // chunks))
+    # Not capped by T's token blocks: a split with none writes zeros, and under torch.compile(dynamic=True) a cap
+    # guarded on T and recompiled as T changed (found by a review).
+    splits = cfg.pop("splits", None) or max(1, program_slots(xs.device) // chunks)
     part = torch.empty((splits, K, NP), device=xs.device, dtype=torch.float32)
     launch(dphi_kernel)[(chunks, splits)](
         xs, aux, part, T, K, N=N, NP=NP, LOWP=cfg.pop("LOWP", xs.dtype == torch.bfloat16), BT=BT, BK=BK, **cfg)

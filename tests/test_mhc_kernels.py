@@ -491,3 +491,16 @@ def test_gpu_coef_premix_blocks_match_the_plain_kernel(n):
             for i, (a, b) in enumerate(zip(launch_coef_premix(direct, x, *ys, phi, alpha, bias, 20, dict(cfg)), plain)):
                 assert (a is None) == (b is None) and (a is None or rel(a, b) < 1e-3), \
                     f"{cfg}, apply={ys[0] is not None}, output {i}: rel err {rel(a, b):.2e}"
+
+
+@interpreted
+def test_dphi_splits_with_no_token_blocks_add_nothing():
+    """d(phi)'s split count no longer depends on T (a guard on T recompiled dynamic-shape graphs): splits past the
+    last token block must contribute exact zeros."""
+    from kernels.mhc_bwd import launch_dphi
+    torch.manual_seed(0)
+    xs, aux = torch.randn(5, 4, 48), torch.randn(5, R.mhc_num_coefficients(4) + 8)
+    aux = torch.cat([aux, torch.zeros(5, 32 - aux.shape[1])], 1)  # [T, NP], NP = 32 at n=4
+    one = launch_dphi(lambda kernel: kernel, xs, aux, dict(BT=16, BK=32, splits=1))
+    many = launch_dphi(lambda kernel: kernel, xs, aux, dict(BT=16, BK=32, splits=6))  # 1 token block, 6 splits
+    assert torch.equal(one, many)
