@@ -105,15 +105,15 @@ def main(argv=None, default_config: str | None = None) -> dict:
     except ConfigError as e:
         failure = e
     fail_together(failure, "wandb.init")
-    log, failure = None, None
-    reused = not cfg.train.resume and log_path(cfg.train.log_dir, run_id).exists()
+    log, failure, path = None, None, log_path(cfg.train.log_dir, run_id)
+    reused = not cfg.train.resume and path.exists()
     try:  # rank 0 alone opens the log file
-        log = RunLog(log_path(cfg.train.log_dir, run_id), dist.rank == 0, wandb_run)
+        log = RunLog(path, dist.rank == 0, wandb_run)
     except Exception as e:
         failure = e
     fail_together(failure, "to open the run log")
     if reused:  # said at the top of the new run's lines, and on the terminal
-        log(f"WARNING {log_path(cfg.train.log_dir, run_id)} already holds a run of train.run_id={run_id}: this run is "
+        log(f"WARNING {path} already holds a run of train.run_id={run_id}: this run is "
             "appended to it and replaces its artifact (scripts.runlog reads the newest run; export_record refuses "
             "such a log); hint: a new train.run_id keeps runs apart")
     log(f"run {run_id}  commit {git_commit(REPO)}  world_size {dist.world_size}  device {device}")
@@ -281,13 +281,14 @@ def source_entropy(cfg: Config) -> float | None:
     if not manifest.exists():
         return None
     try:
-        value = json.loads(manifest.read_text()).get("source_entropy_bits_per_byte")
+        fields = json.loads(manifest.read_text())
+        value = fields.get("source_entropy_bits_per_byte")
     except (json.JSONDecodeError, AttributeError) as e:
         raise ConfigError(f"{manifest}: not a data manifest ({e}); hint: it is read for the demo's source entropy, "
                           "so regenerate it (python -m data.prepare or data.demo) or move it away") from None
     if value is not None and not isinstance(value, (int, float)):
         raise ConfigError(f"{manifest}: source_entropy_bits_per_byte must be a number, got {value!r}")
-    recorded = json.loads(manifest.read_text()).get("tokenizer_sha256")
+    recorded = fields.get("tokenizer_sha256")
     if value is not None and recorded is not None and recorded != file_sha256(cfg.data.tokenizer):
         raise ConfigError(f"{manifest}: describes another tokenizer than {cfg.data.tokenizer} (its sha256 differs), "
                           "so its shards and source entropy are not this tokenizer's (hint: regenerate the folder: "

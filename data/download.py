@@ -129,8 +129,10 @@ class Verified:
         if digest is None:
             return
         st = path.stat()
-        self.known[str(path.resolve())] = [st.st_size, st.st_mtime_ns, digest]
-        write_atomic(self.path, (json.dumps(self.known, indent=0) + "\n").encode())
+        entry, key = [st.st_size, st.st_mtime_ns, digest], str(path.resolve())
+        if self.known.get(key) != entry:  # a rerun that finds every file known writes nothing
+            self.known[key] = entry
+            write_atomic(self.path, (json.dumps(self.known, indent=0) + "\n").encode())
 
 
 def check_file(path: Path, hub: HubFile | None, verified: Verified | None = None) -> str | None:

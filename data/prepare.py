@@ -115,15 +115,6 @@ def _swap_in(staging: Path, out_dir: Path, old: list[Path]) -> None:
     (out_dir / SWAP_MARKER).unlink()
 
 
-def require_bos_tokenizer(sp, tokenizer) -> None:
-    """Documents start with BOS_ID in every shard, and the loaders, the evaluation and the byte accounting treat it
-    as a boundary of 0 bytes: a tokenizer whose id 1 is an ordinary piece would be counted wrong silently."""
-    if sp.bos_id() != BOS_ID or not sp.is_control(BOS_ID):
-        raise ValueError(f"{tokenizer}: bos_id is {sp.bos_id()} and id {BOS_ID} is {sp.id_to_piece(BOS_ID)!r}; shards "
-                         f"need the BOS control token at id {BOS_ID} (hint: train it with python -m data.tokenizer, "
-                         "which uses the published settings)")
-
-
 class HeldOut:
     """Keeps training documents out of the validation split's text: remembers a digest of every validation
     document as it passes and drops training documents with the same text (counted in the manifest)."""
@@ -169,7 +160,7 @@ def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: st
     sp = load_sp(tokenizer)
     if sp.get_piece_size() > 65536:
         raise ValueError(f"{tokenizer}: vocab size {sp.get_piece_size()} does not fit uint16 shards")
-    require_bos_tokenizer(sp, tokenizer)
+    build_byte_lut(tokenizer)  # its checks (BOS at id 1, a space piece) before any worker starts
     held_out = HeldOut()
     splits = {name: held_out.remember(texts) if name == "val" else held_out.drop_seen(texts)
               for name, texts in sorted(splits.items(), key=lambda kv: kv[0] != "val")}  # val first

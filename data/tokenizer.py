@@ -25,6 +25,7 @@ import numpy as np
 import sentencepiece as spm
 
 from data.files import write_atomic
+from data.shards import BOS_ID
 
 # The settings of the official parameter-golf tokenizers (read from their model protos).
 PUBLISHED_SETTINGS = dict(
@@ -100,8 +101,7 @@ def file_sha256(path: str | os.PathLike) -> str:
 def training_pieces(texts: Iterator[str], max_bytes: int) -> Iterator[str]:
     """Documents for the tokenizer trainer, those over `max_bytes` UTF-8 bytes cut into pieces that fit: at a line
     break, else at a space, in the second half of the allowed length, else at a character boundary. SentencePiece
-    skips longer sentences without a word, and on the shared training mix that was half of the bytes (84% of its
-    FineWeb text)."""
+    skips longer sentences without a word: on the shared training mix, 51% of the bytes (docs/benchmarks.md)."""
     for text in texts:
         data = text.encode("utf-8")
         while len(data) > max_bytes:
@@ -198,6 +198,10 @@ def build_byte_lut(model_path_or_sp) -> ByteLUT:
         raise TokenizerError(f"{model_path_or_sp}: no standalone {SPACE!r} piece, so byte fallback spells each space "
                              "as the 3 bytes of U+2581 and bits per byte would be counted against the wrong text "
                              "(hint: use a tokenizer trained on text with spaces)")
+    if sp.bos_id() != BOS_ID or not sp.is_control(BOS_ID):  # every document starts with it, a 0-byte boundary
+        raise TokenizerError(f"{model_path_or_sp}: bos_id is {sp.bos_id()} and id {BOS_ID} is "
+                             f"{sp.id_to_piece(BOS_ID)!r}; shards need the BOS control token at id {BOS_ID} (hint: train "
+                             "it with python -m data.tokenizer, which uses the published settings)")
     vocab = sp.get_piece_size()
     base = np.zeros(vocab, dtype=np.int16)
     space = np.zeros(vocab, dtype=bool)

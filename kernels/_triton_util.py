@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from model.config import KERNEL_STREAMS, KERNEL_WIDTH_MULTIPLE  # one source: configs are checked against them
+
 # Set before triton is imported; under it the kernels run on CPU tensors through the interpreter.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -242,9 +244,6 @@ def phi_operand(phi: torch.Tensor, stream_dtype: torch.dtype, lowp: bool) -> tor
     return phi.t().to(stream_dtype if lowp else torch.float32).contiguous()
 
 
-KERNEL_STREAMS = (2, 4, 8)  # the stream counts the kernels are tested at (model/config.py checks configs early)
-
-
 def require_contiguous(where: str, **tensors) -> None:
     """The launchers index their tensors as dense row-major arrays ([T, n, C] streams, [T, ...] coefficients): a
     view with other strides would be read wrong with no error. The public calls (kernels/mhc.py) pass contiguous
@@ -259,7 +258,7 @@ def check_streams(n: int, C: int, where: str) -> None:
     if n not in KERNEL_STREAMS:
         raise ValueError(f"{where}: the Triton mHC kernels take n_streams in {KERNEL_STREAMS}, got n={n}; "
                          "hint: use one of those or set mhc_kernels=false to run the PyTorch reference")
-    if C % 16:
+    if C % KERNEL_WIDTH_MULTIPLE:
         raise ValueError(f"{where}: the Triton mHC kernels need the stream width C to be a multiple of 16, "
                          f"got C={C}; hint: pick d_model a multiple of 16 or set mhc_kernels=false")
 

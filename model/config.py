@@ -12,8 +12,8 @@ from dataclasses import dataclass
 MAX_BIGRAM_VOCAB = 46339
 ATTENTION_BACKENDS = ("auto", "sdpa", "fa3")
 MHC_GRANULARITIES = ("sublayer", "block")
-# What the Triton mHC kernels are built and tested for (kernels/_triton_util.py::KERNEL_STREAMS, kept equal by
-# tests/test_config.py): stream counts, and the stream width's multiple (tl.dot tiles are 16 wide).
+# What the Triton mHC kernels are built and tested for (kernels/_triton_util.py::check_streams reads these too):
+# stream counts, and the stream width's multiple (tl.dot tiles are 16 wide).
 KERNEL_STREAMS = (2, 4, 8)
 KERNEL_WIDTH_MULTIPLE = 16
 

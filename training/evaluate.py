@@ -136,8 +136,8 @@ def evaluate_bpb(
                 last_said, elapsed = time.perf_counter(), time.perf_counter() - t0
                 progress(f"scoring: {done:,} of {len(mine):,} windows in {elapsed:.0f} s, about "
                          f"{elapsed * (len(mine) - done) / done:.0f} s left")
-            done += len(ws[i:i + batch_seqs])
             chunk = ws[i:i + batch_seqs]
+            done += len(chunk)
             starts = torch.tensor([w.start for w in chunk])
             seqs = all_tokens[starts[:, None] + offsets]
             x, y = seqs[:, :-1].to(device, non_blocking=True), seqs[:, 1:].to(device, non_blocking=True)
