@@ -15,6 +15,7 @@ import faulthandler
 import json
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,10 +29,11 @@ from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256,
 from model.gpt import GPT
 from quant.container import ArtifactError, CodecUnavailable, require_codec
 from scripts.evaluate import evaluate_artifact
-from training.checkpoint import (CheckpointError, Checkpointer, Resumed, checkpoint_step, load_checkpoint,
-                                 refuse_later_checkpoints, resolve_resume)
+from training.checkpoint import (CheckpointError, Checkpointer, Resumed, StopRequested, checkpoint_step,
+                                 load_checkpoint, refuse_later_checkpoints, resolve_resume)
 from training.config import Config, ConfigError, load_config, to_dict
-from training.distributed import RankFailed, destroy, fail_together, init_distributed, require_same_on_every_rank
+from training.distributed import (RankAgreement, RankFailed, destroy, fail_together, init_distributed,
+                                  require_same_on_every_rank)
 from training.ema import maybe_ema
 from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit
 from training.export import ARTIFACT_CODEC, export_model
@@ -51,18 +53,22 @@ def parse_args(argv=None, default_config: str | None = None) -> argparse.Namespa
 
 
 def warm_up_compile(step_model, model, loader, optimizers, cfg: Config, accum: int, device, log) -> None:
-    """Run two real steps so torch.compile builds its graphs, then restore weights, optimizer and
-    loader exactly: the timed run starts from the same state as an uncompiled one."""
+    """Run two real steps so torch.compile builds its graphs, then restore weights, optimizer, loader and RNG
+    exactly: the timed run starts from the same state as an uncompiled one (or as the checkpoint it resumes)."""
     t0 = time.perf_counter()
     weights = copy.deepcopy(model.state_dict())
     opt_states = [copy.deepcopy(o.state_dict()) for o in optimizers]
     loader_state = loader.state_dict()
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     for _ in range(2):
         train_step(step_model, loader, optimizers, cfg, accum, device)
     model.load_state_dict(weights)
     for opt, state in zip(optimizers, opt_states):
         opt.load_state_dict(state)
     loader.load_state_dict(loader_state)
+    torch.set_rng_state(rng[0])
+    if rng[1] is not None:
+        torch.cuda.set_rng_state(rng[1], device)
     if device.type == "cuda":
         torch.cuda.synchronize()
     log(f"phase compile_warmup {time.perf_counter() - t0:.1f} s (not counted in the training budget)")
@@ -201,64 +207,95 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
     checkpointer, resume_from = find_checkpoint(cfg, dist, ckpt_dir)
     if cfg.train.resume == "latest" and resume_from is None:  # said, so that a misspelt run_id is noticed
         log(f"train.resume=latest: no checkpoint in {ckpt_dir}, so the run starts at step 0")
-    if cfg.train.compile:
-        warm_up_compile(step_model, model, loader, optimizers, cfg, grad_accum_steps(cfg, dist.world_size), device, log)
     ema = maybe_ema(model, cfg.optim)
-    start, failure = Resumed(step=0, train_time_s=0.0), None
-    if resume_from is not None:  # the same path on every rank, so every rank takes this branch
-        try:
-            start = load_checkpoint(resume_from, model, optimizers, ema, loader, dist.rank, dist.world_size)
-        except Exception as e:  # a damaged part of one rank, say
-            failure = e
-        fail_together(failure, f"to load its part of {resume_from}")
-        require_same_on_every_rank(start.step, "a resumed step", "every node must see the same checkpoint folder")
-        log(f"resumed from {resume_from}: step {start.step}, {start.train_time_s:.1f} s of training done")
+    start = resume(resume_from, model, optimizers, ema, loader, dist, log)
+    budget = cfg.train.time_budget_s - cfg.quant.calib_reserve_s if cfg.train.time_budget_s else 0.0
+    trained = start.step >= cfg.train.max_steps or (budget and start.train_time_s >= budget)
+    if trained:  # a checkpoint of a finished training (a stop signal came while it was scored): no step to run
+        log(f"the checkpoint's training is finished (step {start.step}, {start.train_time_s:.1f} s): scoring it")
+    elif cfg.train.compile:
+        warm_up_compile(step_model, model, loader, optimizers, cfg, grad_accum_steps(cfg, dist.world_size), device, log)
 
-    def evaluate(m=model) -> dict:
+    def evaluate(m=model, should_stop=None) -> dict:
         return evaluate_bpb(m, val.tokens, val.lut, context=cfg.eval.context, stride=cfg.eval.stride,
                             batch_seqs=cfg.eval.batch_seqs, device=device,
                             autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                            rank=dist.rank, world_size=dist.world_size, progress=log)
+                            rank=dist.rank, world_size=dist.world_size, progress=log, should_stop=should_stop)
 
-    budget = cfg.train.time_budget_s - cfg.quant.calib_reserve_s if cfg.train.time_budget_s else 0.0
-    checkpointer.install_signal_handlers()
+    checkpointer.install_signal_handlers()  # until the artifact is scored: a signal after training keeps its state
     try:
         result = run_training(cfg, model, step_model, loader, optimizers, ema, dist, log, evaluate, budget,
                               start=start, checkpointer=checkpointer)
+        loader.close()
+        if result.stopped_by == "signal":
+            log(f"stopped by a signal at step {result.steps}; continue with train.resume=latest train.run_id={run_id}")
+            destroy()
+            raise SystemExit(143)
+        log(f"phase training {result.train_time_s:.1f} s, {result.steps} steps, stopped by {result.stopped_by}")
+        try:
+            return ship(cfg, dist, model, ema, loader.files, result, val, n_params, evaluate, checkpointer, log)
+        except StopRequested as stop:
+            keep_trained_state(checkpointer, result, model, optimizers, ema, loader, dist, log, stop.phase)
+            destroy()
+            raise SystemExit(143) from None
     finally:
         checkpointer.restore_signal_handlers()
-    if result.stopped_by == "signal":
-        log(f"stopped by a signal at step {result.steps}; continue with train.resume=latest train.run_id={run_id}")
-        loader.close()
-        destroy()
-        raise SystemExit(143)
-    loader.close()
-    log(f"phase training {result.train_time_s:.1f} s, {result.steps} steps, stopped by {result.stopped_by}")
-    if ema is not None:
-        ema.copy_to(model)  # the EMA weights are what ships
+
+
+def resume(resume_from: Path | None, model, optimizers, ema, loader, dist, log) -> Resumed:
+    """Load the checkpoint chosen by find_checkpoint (the same on every rank), or start at step 0."""
+    if resume_from is None:
+        return Resumed(step=0, train_time_s=0.0)
+    start, failure = None, None
+    try:
+        start = load_checkpoint(resume_from, model, optimizers, ema, loader, dist.rank, dist.world_size)
+    except Exception as e:  # a damaged part of one rank, say
+        failure = e
+    fail_together(failure, f"to load its part of {resume_from}")
+    require_same_on_every_rank(start.step, "a resumed step", "every node must see the same checkpoint folder")
+    log(f"resumed from {resume_from}: step {start.step}, {start.train_time_s:.1f} s of training done")
+    return start
+
+
+def ship(cfg: Config, dist, model, ema, train_files: list[str], result, val: Validation, n_params: int, evaluate,
+         checkpointer: Checkpointer, log) -> dict:
+    """Score the trained weights (eval.pre_quant), export the capped artifact, score it: the final record.
+    A stop signal raises StopRequested before each phase (all ranks agree on it) or, on a single rank, inside a
+    scoring pass."""
+    device, run_id = dist.device, cfg.train.run_id
+    agree = RankAgreement(dist.world_size)
+    poll = (lambda: checkpointer.stop_requested) if dist.world_size == 1 else None
+
+    def check_stop(phase: str) -> None:
+        if agree(0.0, checkpointer.stop_requested)[1]:
+            raise StopRequested(f"before {phase}")
+
     final = {"run_id": run_id, "steps": result.steps, "train_time_s": round(result.train_time_s, 2),
              "tokens_seen": result.tokens, "params": n_params, "world_size": dist.world_size}
-    if cfg.eval.pre_quant:
-        t0 = time.perf_counter()
-        pre = evaluate()
-        log.record("eval", stage="pre_quant", seconds=round(time.perf_counter() - t0, 1), **pre)
-        final.update(pre_quant_val_loss=pre["val_loss"], pre_quant_val_bpb=pre["val_bpb"])
-
     artifact = REPO / cfg.train.out_dir / f"{run_id}.mhcg"
-    export = export_model(cfg, model, train_files=loader.files, rank=dist.rank,
-                          world_size=dist.world_size, log=log, artifact_path=artifact,
-                          tokenizer_sha256=file_sha256(cfg.data.tokenizer), device=device,
-                          train_time_s=result.train_time_s)
+    with ema.swapped_into(model) if ema is not None else nullcontext():  # the EMA weights are what ships
+        if cfg.eval.pre_quant:
+            check_stop("the pre-quant evaluation")
+            t0 = time.perf_counter()
+            pre = evaluate(should_stop=poll)
+            log.record("eval", stage="pre_quant", seconds=round(time.perf_counter() - t0, 1), **pre)
+            final.update(pre_quant_val_loss=pre["val_loss"], pre_quant_val_bpb=pre["val_bpb"])
+        check_stop("the export")
+        export = export_model(cfg, model, train_files=train_files, rank=dist.rank,
+                              world_size=dist.world_size, log=log, artifact_path=artifact,
+                              tokenizer_sha256=file_sha256(cfg.data.tokenizer), device=device,
+                              train_time_s=result.train_time_s)
     final.update(export)
     if "export_error" in export:
         final.update(fits_cap=False)
         log.final(final)
         destroy()
         raise SystemExit(f"no artifact: {export['export_error']}")
+    check_stop("scoring the artifact")
     t0 = time.perf_counter()
     scored = evaluate_artifact(artifact, val.tokens, val.lut, cfg.eval, device=device, rank=dist.rank,
                                world_size=dist.world_size, tokenizer_sha256=file_sha256(cfg.data.tokenizer),
-                               progress=log)
+                               progress=log, should_stop=poll)
     log.record("eval", stage="artifact", seconds=round(time.perf_counter() - t0, 1), **scored)
     final.update({k: scored[k] for k in ("val_loss", "val_bpb", "tokens", "bytes", "artifact_bytes",
                                          "code_bytes", "total_bytes", "fits_cap")})
@@ -273,6 +310,19 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
                          f"{final['total_bytes'] - cfg.quant.cap_bytes:,} (hint: lower quant.margin_bytes is not "
                          "the fix; shrink the model or use more int5)")
     return final
+
+
+def keep_trained_state(checkpointer: Checkpointer, result, model, optimizers, ema, loader, dist, log,
+                       when: str) -> None:
+    """After a stop signal outside the training loop: the trained state (the live weights, the EMA beside them) as
+    a checkpoint, unless the folder has it already (train.checkpoint_every > 0 wrote it, or the run resumed from
+    it). Scoring it again is then train.resume=latest, with no training step."""
+    missing = RankAgreement(dist.world_size)(0.0, not checkpointer.has(result.steps))[1]
+    path = checkpointer.dir / f"step_{result.steps:08d}"
+    if missing:
+        path = checkpointer.save(result.steps, result.train_time_s, model, optimizers, ema, loader)
+    log(f"stopped by a signal {when}: the trained state is checkpoint {path} (step {result.steps}); "
+        f"train.resume=latest train.run_id={path.parent.name} scores it without training further")
 
 
 def source_entropy(cfg: Config) -> float | None:

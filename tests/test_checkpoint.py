@@ -261,3 +261,79 @@ def test_a_resume_with_other_optimizer_settings_is_refused(tmp_path):
         with pytest.raises(CheckpointError, match=says):
             load_checkpoint(path, *fresh(override), Cursor(), rank=0, world_size=1)
     assert load_checkpoint(path, *fresh(), Cursor(), rank=0, world_size=1).step == 3
+
+
+def in_process(corpus, tmp_path, run_id, *extra) -> list[str]:
+    """train.py's arguments for train.main in this process (its signal handlers then see os.kill of this pid)."""
+    return args(corpus, tmp_path, run_id, "eval.pre_quant=true", *extra)[2:]
+
+
+@pytest.fixture(scope="module")
+def straight_record(corpus, tmp_path_factory) -> dict:
+    """The record of a run that no signal stopped (checkpoint_every does not change it)."""
+    import train
+    return train.main(in_process(corpus, tmp_path_factory.mktemp("straight"), "straight"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when, every", [("during", 0), ("before_export", 0), ("before_export", 5)])
+def test_a_signal_after_training_keeps_the_trained_state_and_resume_scores_it(corpus, straight_record, tmp_path,
+                                                                               monkeypatch, when, every):
+    """A signal after the last step, while the run scored or exported, ended the process and lost the training
+    with train.checkpoint_every=0 (found by a walkthrough). Now the trained state is checkpointed (or found,
+    when checkpoint_every > 0 wrote it already), and train.resume=latest scores it with no step: the same
+    record, bit for bit, as a run never stopped. On one rank the signal stops a scoring pass at its next batch;
+    otherwise at the next phase."""
+    import train
+    from training import evaluate as evaluation
+    real = evaluation.evaluate_bpb
+
+    def signalled(*a, **k):
+        if when == "during":
+            os.kill(os.getpid(), signal.SIGTERM)
+            return real(*a, **k)
+        out = real(*a, **k)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return out
+    monkeypatch.setattr(train, "evaluate_bpb", signalled)
+    with pytest.raises(SystemExit) as stopped:
+        train.main(in_process(corpus, tmp_path, "cut", f"train.checkpoint_every={every}"))
+    assert stopped.value.code == 143
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are given back
+    phase = "during scoring" if when == "during" else "before the export"
+    text = (tmp_path / "logs/cut.txt").read_text()
+    assert f"stopped by a signal {phase}: the trained state is checkpoint " in text, text[-1500:]
+    assert "train.resume=latest train.run_id=cut scores it without training further" in text
+    assert not (tmp_path / "runs/cut.mhcg").exists() or when == "during"
+    kept = [c.name for c in complete_checkpoints(tmp_path / "runs/checkpoints/cut")]
+    assert kept == (["step_00000005", "step_00000010", "step_00000014"][-2:] if every else ["step_00000014"])
+    # the live weights, not the EMA ones that were swapped in for scoring
+    import torch
+    saved = torch.load(tmp_path / f"runs/checkpoints/cut/{kept[-1]}/rank0.pt", weights_only=True)
+    assert any(not torch.equal(saved["model"][name].float(), shadow) for name, shadow in saved["ema"]["shadow"].items())
+    monkeypatch.setattr(train, "evaluate_bpb", real)
+    resumed = train.main(in_process(corpus, tmp_path, "cut", f"train.checkpoint_every={every}",
+                                    "train.resume=latest"))
+    text = (tmp_path / "logs/cut.txt").read_text()
+    assert "the checkpoint's training is finished (step 14" in text
+    assert max(step_losses(tmp_path / "logs/cut.txt")) == 14  # no step after the resume
+    for key in ("steps", "tokens_seen", "pre_quant_val_bpb", "val_bpb", "n_int6"):  # (the run_id is in the artifact)
+        assert resumed[key] == straight_record[key], key
+
+
+def test_a_second_signal_is_not_deferred(tmp_path):
+    """The first SIGINT asks for a stop at the next safe point; a second one reaches the previous handler at once
+    (Ctrl-C twice interrupts a long scoring pass), and the handlers are given back."""
+    from training.checkpoint import Checkpointer
+    ck = Checkpointer(tmp_path, every_steps=0, keep=1, rank=0, world_size=1)
+    before = signal.getsignal(signal.SIGINT)
+    ck.install_signal_handlers()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert ck.stop_requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs at the next bytecode boundary of the main thread
+        assert signal.getsignal(signal.SIGINT) is before
+    finally:
+        ck.restore_signal_handlers()

@@ -28,6 +28,15 @@ class CheckpointError(ValueError):
     """A checkpoint this run cannot continue from: another world size or optimizer settings, a missing part."""
 
 
+class StopRequested(Exception):
+    """A stop signal acted on after training (between the scoring phases, or inside one on a single rank): the
+    trained state is checkpointed, and train.resume=latest scores it without training further."""
+
+    def __init__(self, phase: str):
+        super().__init__(phase)
+        self.phase = phase
+
+
 @dataclass
 class Resumed:
     step: int
@@ -108,14 +117,25 @@ class Checkpointer:
                 os.replace(aside, final)
 
     def install_signal_handlers(self) -> None:
+        """The first SIGTERM/SIGINT asks for a stop at the next safe point (a step boundary, a scoring phase); a
+        second one is not deferred: the previous handlers come back and get it (Ctrl-C twice interrupts at once)."""
         def request_stop(signum, frame):
-            self.stop_requested = True
+            if not self.stop_requested:
+                self.stop_requested = True
+                return
+            self.restore_signal_handlers()
+            signal.raise_signal(signum)
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous_handlers[sig] = signal.signal(sig, request_stop)
 
     def restore_signal_handlers(self) -> None:
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)
+        self._previous_handlers = {}
+
+    def has(self, step: int) -> bool:
+        """A complete checkpoint of `step` is in the folder."""
+        return (self.dir / f"step_{step:08d}").is_dir()
 
     def is_periodic(self, step: int) -> bool:
         """A checkpoint step by the schedule alone. A stop request is a separate decision: the ranks
