@@ -29,16 +29,17 @@ from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256,
 from model.gpt import GPT
 from quant.container import ArtifactError, CodecUnavailable, require_codec
 from scripts.evaluate import evaluate_artifact
-from training.checkpoint import (CheckpointError, Checkpointer, Resumed, StopRequested, checkpoint_step,
-                                 load_checkpoint, refuse_later_checkpoints, resolve_resume)
+from training.checkpoint import (CheckpointError, Checkpointer, Resumed, checkpoint_step, load_checkpoint,
+                                 refuse_later_checkpoints, resolve_resume)
 from training.config import Config, ConfigError, load_config, to_dict
 from training.distributed import (RankAgreement, RankFailed, destroy, fail_together, init_distributed,
                                   require_same_on_every_rank)
 from training.ema import maybe_ema
-from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit
+from training.evaluate import ByteAuditError, StopRequested, evaluate_bpb, require_byte_audit
 from training.export import ARTIFACT_CODEC, export_model
 from training.optim import build_optimizers
 from training.run_log import RunLog, check_log_dir, git_commit, log_path, maybe_wandb, require_wandb, versions
+from training.sources import code_digest
 from training.trainer import grad_accum_steps, run_training, train_step
 
 REPO = Path(__file__).resolve().parent
@@ -122,7 +123,8 @@ def main(argv=None, default_config: str | None = None) -> dict:
         log(f"WARNING {path} already holds a run of train.run_id={run_id}: this run is "
             "appended to it and replaces its artifact (scripts.runlog reads the newest run; export_record refuses "
             "such a log); hint: a new train.run_id keeps runs apart")
-    log(f"run {run_id}  commit {git_commit(REPO)}  world_size {dist.world_size}  device {device}")
+    log(f"run {run_id}  commit {git_commit(REPO)}  code {code_digest(REPO)}  world_size {dist.world_size}  "
+        f"device {device}")
     log("versions " + json.dumps(versions()))
     log("config " + json.dumps(to_dict(cfg), sort_keys=True))
     if val.audited_bytes is not None:

@@ -31,6 +31,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from data.files import write_atomic  # noqa: E402
+from scripts.record_rule import final_problem  # noqa: E402
 from scripts.runlog import output_problem, stream_run  # noqa: E402
 from training.config import ConfigError, load_config  # noqa: E402
 from training.run_log import log_path  # noqa: E402
@@ -52,9 +53,7 @@ class Variant:
             return f"exit {self.returncode}"
         if self.final is None:
             return "no final JSON line"
-        if not self.final.get("fits_cap", False):
-            return "over the byte cap"
-        return None
+        return final_problem(self.final)  # no artifact, over a cap, calibration past the budget, a NaN score
 
 
 def run_id(prefix: str, name: str) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
 import sys
 from pathlib import Path
 
@@ -51,7 +52,7 @@ def run_labels(logs: list[RunLogData]) -> list[str]:
 def final_point(log: RunLogData) -> dict | None:
     """{step, train_time_s, val_bpb} of the shipped artifact, or None for an unfinished run."""
     scored = log.final or log.stage_evals.get("artifact")
-    if scored is None or "val_bpb" not in scored:
+    if scored is None or not finite(scored.get("val_bpb")):  # unfinished, or diverged (NaN)
         return None
     last = log.steps[-1] if log.steps else {}
     return {"step": scored.get("steps", last.get("step")),
@@ -59,12 +60,22 @@ def final_point(log: RunLogData) -> dict | None:
             "val_bpb": scored["val_bpb"]}
 
 
+def finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def loss_figure(logs: list[RunLogData], labels: list[str], axis: str) -> Figure:
+    """NaN/inf losses (a diverged run) are left out; a run with none finite is named on stderr."""
     key, xlabel = AXES[axis]
     fig, ax = plt.subplots(figsize=(8, 5))
     for log, label in zip(logs, labels):
         steps, scale = log.require_steps(), axis_scale(log, axis)
-        ax.plot([s[key] * scale for s in steps], [s["loss"] for s in steps], label=label, linewidth=1.2)
+        points = [(s[key] * scale, s["loss"]) for s in steps if finite(s["loss"])]
+        if not points:
+            print(f"plot: {log.source}: no finite training loss to draw", file=sys.stderr)
+            continue
+        # a single point is invisible as a line
+        ax.plot(*zip(*points), label=label, linewidth=1.2, marker="." if len(points) == 1 else None)
     ax.set(xlabel=xlabel, ylabel="train loss (nats/token)", title=f"training loss vs {xlabel}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -79,7 +90,7 @@ def bpb_figure(logs: list[RunLogData], labels: list[str], axis: str) -> Figure |
     drawn = False
     for log, label in zip(logs, labels):
         scale = axis_scale(log, axis)
-        curve = [(e[key] * scale, e["val_bpb"]) for e in log.evals if key in e]
+        curve = [(e[key] * scale, e["val_bpb"]) for e in log.evals if key in e and finite(e["val_bpb"])]
         final = final_point(log)
         color = None
         if curve:

@@ -35,13 +35,15 @@ if str(REPO) not in sys.path:  # `python scripts/reproduce.py` as well as `pytho
     sys.path.insert(0, str(REPO))
 
 from data.files import write_atomic  # noqa: E402
-from scripts.record_rule import (RECORD_MARGIN_NATS, ComparisonError, Scored, final_problem,  # noqa: E402
-                                 read_baseline, significance)
+from quant.size import CAP_BYTES  # noqa: E402
+from scripts.record_rule import (RECORD_MARGIN_NATS, ComparisonError, Scored, check_scored_alike,  # noqa: E402
+                                 final_problem, read_baseline, significance)
 from scripts.runlog import (LogFormatError, RunLogData, output_problem, parse_lines, parse_log,  # noqa: E402
                             stream_run)
 from scripts.stats import mean_std  # noqa: E402
 from training.config import Config, ConfigError, load_config, to_dict  # noqa: E402
 from training.run_log import log_path  # noqa: E402
+from training.sources import code_digest  # noqa: E402
 
 SET_BY_SCRIPT = ("train.seed=", "train.run_id=")
 
@@ -54,6 +56,7 @@ class SeedResult:
     final: dict
     versions: dict = field(default_factory=dict)
     world_size: int = 1
+    code: str | None = None  # the digest of the code that ran (training.sources.code_digest); None in older logs
 
 
 def hardware(versions: dict, world_size: int) -> str:
@@ -73,9 +76,15 @@ def check_one_stack(results: list) -> None:
 def build_submission(name: str, github_id: str, results: list[SeedResult], *, code_bytes: int | None = None,
                      significance_block: dict | None = None) -> dict:
     """The challenge's submission.json. code_bytes replaces the runs' own count when the shipped code
-    differs from what the runs measured (a record folder ships one generated train_gpt.py)."""
+    differs from what the runs measured (a record folder ships one generated train_gpt.py). A seed over the cap,
+    counted with that code, is refused: the runs fitting under their own count is not enough."""
     check_one_stack(results)
     code = code_bytes if code_bytes is not None else max(r.final["code_bytes"] for r in results)
+    over = [r for r in results if r.final["artifact_bytes"] + code > CAP_BYTES]
+    if over:
+        raise ValueError(f"seed {over[0].seed}: artifact {over[0].final['artifact_bytes']:,} + code {code:,} bytes = "
+                         f"{over[0].final['artifact_bytes'] + code:,}, over the {CAP_BYTES:,}-byte cap (hint: seeds "
+                         "run on other code count the largest code; run them on one checkout)")
     per_seed = {str(r.seed): {"run_id": r.final["run_id"], "val_bpb": r.final["val_bpb"],
                               "val_loss": r.final["val_loss"], "pre_quant_val_bpb": r.final.get("pre_quant_val_bpb"),
                               "steps": r.final["steps"], "train_time_s": r.final["train_time_s"],
@@ -87,6 +96,7 @@ def build_submission(name: str, github_id: str, results: list[SeedResult], *, co
                   "val_bpb_std": bpb_std, "val_loss_std": loss_std,
                   "bytes_total": max(s["bytes_total"] for s in per_seed.values()), "bytes_code": code,
                   "seeds": [r.seed for r in results], "seed_results": per_seed,
+                  "code_digests": sorted({r.code or "unknown" for r in results}),
                   "hardware": hardware(results[0].versions, results[0].world_size),
                   "versions": {k: results[0].versions[k] for k in ("torch", "triton", "python", "cuda")
                                if k in results[0].versions}}
@@ -111,6 +121,7 @@ class SeedRun:
     final: dict | None = None
     versions: dict = field(default_factory=dict)
     world_size: int = 1
+    code: str | None = None  # the digest its log gives for the code that ran
     reused: bool = False  # read back from an existing log (--reuse), not run by this call
 
     def problem(self) -> str | None:
@@ -141,7 +152,7 @@ def run_seed(run: SeedRun) -> SeedRun:
     """Stream the run's stdout (stderr passes straight through); the last line is the final JSON."""
     run.returncode, lines, run.final = stream_run(run.command, f"seed {run.seed}")
     log = parse_lines(lines[:-1], f"stdout of seed {run.seed}")
-    run.versions, run.world_size = log.versions, log.world_size or 1
+    run.versions, run.world_size, run.code = log.versions, log.world_size or 1, log.code
     return run
 
 
@@ -174,10 +185,18 @@ def config_differences(logged: dict, expected: dict) -> list[str]:
             and not (key not in a and key in default and b.get(key) == default[key])]
 
 
-def reuse_seed(run: SeedRun, log: RunLogData, config: str, overrides: list[str], world_size: int) -> SeedRun:
+def reuse_seed(run: SeedRun, log: RunLogData, config: str, overrides: list[str], world_size: int,
+               code: str | None) -> SeedRun:
     """Count a finished run of this seed from its log, after checking that it is a run of this command's
-    config on as many processes, and that it succeeded (a failed run is not silently counted)."""
+    config on as many processes, of the code at hand (`code`, its digest; None: any code, --allow-other-code),
+    and that it succeeded (a failed run is not silently counted)."""
     path = log.source
+    if code is not None and log.code != code:
+        ran = f"code {log.code}" if log.code else "code of unknown digest (a log from before digests were logged)"
+        raise SystemExit(f"reproduce: {path} ran {ran}, this checkout's training code is {code}: counted with the "
+                         "seeds run now, it would mix two recipes under one submission. hint: move the log away to "
+                         "run the seed again, or --allow-other-code to count it anyway (submission.json lists the "
+                         "digests)")
     expected = to_dict(load_config(config, [*overrides, f"train.seed={run.seed}", f"train.run_id={run.run_id}"]))
     # through JSON as train.py logged it (tuples become lists), so equal values compare equal
     differences = config_differences(log.config, json.loads(json.dumps(expected)))
@@ -190,7 +209,7 @@ def reuse_seed(run: SeedRun, log: RunLogData, config: str, overrides: list[str],
                          "(--nproc-per-node): the same global batch splits differently. hint: the run's "
                          "--nproc-per-node, or move the log away to run the seed again")
     run.returncode, run.final, run.reused = 0, log.final, True
-    run.versions, run.world_size = log.versions, log.world_size or 1
+    run.versions, run.world_size, run.code = log.versions, log.world_size or 1, log.code
     failure = run.problem()
     if failure:
         raise SystemExit(f"reproduce: {path} is a failed run of seed {run.seed} ({failure}); hint: move it away to "
@@ -199,7 +218,7 @@ def reuse_seed(run: SeedRun, log: RunLogData, config: str, overrides: list[str],
 
 
 def check_existing_logs(runs: list[SeedRun], log_dir: str, *, reuse: bool, resume: bool, config: str,
-                        overrides: list[str], world_size: int) -> None:
+                        overrides: list[str], world_size: int, code: str | None) -> None:
     """Before anything runs: each seed's log is absent; or it holds a finished run of this config, counted
     with reuse; or an unfinished one that train.resume continues (train.py appends to the log)."""
     for run in runs:
@@ -217,7 +236,7 @@ def check_existing_logs(runs: list[SeedRun], log_dir: str, *, reuse: bool, resum
             raise SystemExit(f"reproduce: {path} already exists (a finished run of seed {run.seed}); train.py would "
                              "append this run to it. hint: --reuse counts that run, --name gives new run ids, or "
                              "move the file away")
-        reuse_seed(run, log, config, overrides, world_size)
+        reuse_seed(run, log, config, overrides, world_size, code)
     try:
         check_one_stack([r for r in runs if r.reused])
     except ValueError as e:
@@ -271,6 +290,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reuse", action="store_true",
                    help="read back the seeds whose logs already hold a finished run of this config (run "
                         "elsewhere, or before an interruption) and run only the others")
+    p.add_argument("--allow-other-code", action="store_true",
+                   help="with --reuse, count logs of runs whose training code differs from this checkout's (or is "
+                        "unknown); submission.json lists every digest")
     p.add_argument("--dry-run", action="store_true",
                    help="print the commands and exit (reads neither the config nor the logs, so it also lists "
                         "the seeds --reuse would read back)")
@@ -313,8 +335,9 @@ def main(argv=None) -> int:
                               "only; seeds for a submission are scored on all of it (hint: eval.max_tokens=0; "
                               "scripts/ablate.py compares layouts on a subset)")
         baseline = read_baseline(a.baseline, cfg.model.vocab_size) if a.baseline else None
+        code = None if a.allow_other_code else code_digest(REPO)
         check_existing_logs(runs, cfg.train.log_dir, reuse=a.reuse, resume=bool(cfg.train.resume),
-                            config=a.config, overrides=a.overrides, world_size=a.nproc_per_node or 1)
+                            config=a.config, overrides=a.overrides, world_size=a.nproc_per_node or 1, code=code)
     except (ConfigError, LogFormatError, FileNotFoundError, ComparisonError) as e:
         raise SystemExit(f"reproduce: {e}") from None
     for r in runs:
@@ -322,7 +345,17 @@ def main(argv=None) -> int:
             run_seed(r)
     good = [r for r in runs if r.problem() is None]
     sig, not_compared = None, None
-    if baseline is not None and len(good) < len(runs):  # a verdict on the seeds that survived would hide the others
+    if code is not None and len({r.code for r in good}) > 1:  # the checkout changed while the seeds ran
+        not_compared = ("the seeds ran different code: " + ", ".join(f"seed {r.seed} {r.code}" for r in good)
+                        + " (hint: leave the checkout alone while seeds run; --reuse --allow-other-code counts them)")
+    elif len(good) == len(runs) > 1:  # the mean of runs scored on different text means nothing
+        try:
+            check_scored_alike([r.scored() for r in good], "the seeds")
+        except ComparisonError as e:
+            not_compared = str(e)
+    if not_compared:
+        pass
+    elif baseline is not None and len(good) < len(runs):  # a verdict on the seeds that survived would hide the others
         not_compared = f"not compared with the baseline: {len(runs) - len(good)} of {len(runs)} seed(s) failed"
     elif baseline is not None:
         try:
@@ -341,8 +374,8 @@ def main(argv=None) -> int:
               "without running them again)", file=sys.stderr)
         return 1
     try:
-        submission = build_submission(a.name, a.github_id, [SeedResult(r.seed, r.final, r.versions, r.world_size)
-                                                           for r in runs], significance_block=sig)
+        submission = build_submission(a.name, a.github_id, [SeedResult(r.seed, r.final, r.versions, r.world_size,
+                                                                      r.code) for r in runs], significance_block=sig)
     except ValueError as e:  # e.g. seeds reused from another machine's software than the ones run here
         print(f"reproduce: {e}; no submission.json written", file=sys.stderr)
         return 1

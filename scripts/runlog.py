@@ -20,8 +20,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HEADER = re.compile(r"^run (?P<run_id>\S+)\s+commit (?P<commit>\S+)\s+world_size (?P<world_size>\d+)"
-                    r"\s+device (?P<device>\S+)")
+HEADER = re.compile(r"^run (?P<run_id>\S+)\s+commit (?P<commit>\S+)(?:\s+code (?P<code>[0-9a-f]+))?"
+                    r"\s+world_size (?P<world_size>\d+)\s+device (?P<device>\S+)")  # `code`: since session 19
 JSON_KINDS = ("step", "eval", "final", "config", "versions")
 
 
@@ -34,6 +34,7 @@ class RunLogData:
     source: str                                  # file name (or "stdout of …") for error messages
     run_id: str | None = None
     commit: str | None = None
+    code: str | None = None                      # training.sources.code_digest of the code that ran
     world_size: int | None = None
     device: str | None = None
     versions: dict = field(default_factory=dict)
@@ -95,6 +96,7 @@ def _apply_line(log: RunLogData, line: str, where: str) -> None:
     header = HEADER.match(line)
     if header:
         log.run_id, log.commit, log.device = header["run_id"], header["commit"], header["device"]
+        log.code = header["code"]
         log.world_size = int(header["world_size"])
         return
     kind, _, payload = line.partition(" ")

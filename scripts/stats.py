@@ -66,10 +66,12 @@ def welch_one_sided(baseline: list[float], candidate: list[float], margin: float
     mb, sb = mean_std(baseline)
     mc, sc = mean_std(candidate)
     vb, vc = sb * sb / len(baseline), sc * sc / len(candidate)
-    if vb + vc == 0.0:  # t and p are undefined; identical runs mean the seed changed nothing, not certainty
-        raise ValueError(f"Welch's t-test needs spread: every run of each side has the same value (baseline {mb!r}, "
-                         f"candidate {mc!r}); hint: check that train.seed reaches the runs (identical runs are not "
-                         "independent samples)")
+    flat = [side for side, v in (("baseline", vb), ("candidate", vc)) if v == 0.0]
+    if flat:  # identical runs mean the seed changed nothing: one sample, not certainty (and t borrows the other side's
+        # spread alone, which made three copies of one run a significant record)
+        raise ValueError(f"Welch's t-test needs spread on each side: every {' and every '.join(flat)} run has the same "
+                         f"value (baseline mean {mb!r}, candidate mean {mc!r}); hint: check that train.seed reaches the "
+                         "runs (identical runs are not independent samples)")
     t = (mb - mc - margin) / math.sqrt(vb + vc)
     df = (vb + vc) ** 2 / (vb ** 2 / (len(baseline) - 1) + vc ** 2 / (len(candidate) - 1))
     try:

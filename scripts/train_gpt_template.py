@@ -103,6 +103,8 @@ def main(argv):
     sys.meta_path.insert(0, EmbeddedModules())
     import quant.size
     quant.size.code_bytes = functools.partial(script_code_bytes, config_path(argv))  # before train's imports bind it
+    import training.sources  # the code digest a run logs: of the sources this file carries (the same set as a checkout's)
+    training.sources.code_digest = lambda repo=None: training.sources.sources_digest(MODULES)
     import train
     return train.cli(argv, default_config=str(HERE / "config.toml"))  # bad input: one line, as train.py prints
 

@@ -98,7 +98,7 @@ def test_each_gpu_slot_runs_one_variant_at_a_time(monkeypatch):
         with lock:
             seen.append((v.name, env.get("CUDA_VISIBLE_DEVICES"), command[-1]))
         v.returncode, v.final = 0, {"fits_cap": True, "steps": 10, "train_time_s": 2.0, "tokens_seen": 1000,
-                                    "val_bpb": 1.5, "pre_quant_val_bpb": 1.4, "total_bytes": 123}
+                                    "val_bpb": 1.5, "val_loss": 2.5, "pre_quant_val_bpb": 1.4, "total_bytes": 123}
     monkeypatch.setattr(ablate, "run_variant", fake_run)
     variants = [ablate.parse_variant(f"v{i}=model.n_layers={i + 1}") for i in range(5)]
     ablate.run_all(CONFIG, [], variants, ["0", "3"], "p")
@@ -107,3 +107,16 @@ def test_each_gpu_slot_runs_one_variant_at_a_time(monkeypatch):
     row = ablate.summary_rows(variants)[0]
     assert (row["tokens_per_s"], row["ms_per_step"], row["status"]) == (500.0, 200.0, "ok")
     assert "| v0 | ok | 10 | 500 | 200.0 | 1.4000 | 1.5000 | 123 |" in ablate.format_table([row])
+
+
+@pytest.mark.parametrize("final, status", [
+    ({"val_bpb": float("nan"), "val_loss": float("nan"), "fits_cap": True}, "val_loss is nan, not a finite number"),
+    ({"val_bpb": 1.5, "val_loss": 2.5, "fits_cap": True, "total_bytes": 16_500_000}, "over the 16,000,000-byte cap"),
+    ({"export_error": "all-int5 is over the budget", "fits_cap": False}, "no artifact: all-int5 is over the budget"),
+    ({"val_bpb": 1.5, "val_loss": 2.5, "fits_cap": True, "total_bytes": 100}, None)])
+def test_a_variant_is_judged_as_the_record_rule_judges_a_run(final, status):
+    """A NaN score, or a total over the challenge's cap under a raised quant.cap_bytes, showed as ok, and an export
+    that found no artifact as "over the byte cap" (found by a review)."""
+    v = ablate.Variant("v", [])
+    v.returncode, v.final = 0, final
+    assert v.problem() == status or (status and status in v.problem())

@@ -187,3 +187,21 @@ def test_plots_of_real_train_py_logs(tiny_seed_runs, tmp_path, capsys):
     for log in logs:  # periodic evals as a curve, the artifact's score as the final marker
         assert bpb[log.run_id] == ([e["step"] for e in log.evals], [e["val_bpb"] for e in log.evals])
         assert bpb[f"{log.run_id} (artifact)"] == ([log.final["steps"]], [log.final["val_bpb"]])
+
+
+def test_one_point_shows_and_nan_points_are_left_out(tmp_path, capsys):
+    """Found by a review: a log with one step drew an invisible line (no marker), and a diverged run's NaN scores
+    made empty BPB plots without a word. NaN points are left out; a run with nothing finite is named."""
+    one = parse_log(write_log(tmp_path / "one.txt", "one", [3.0], final_bpb=2.0))
+    nan = float("nan")
+    diverged = parse_log(write_log(tmp_path / "nan.txt", "diverged", [3.0, nan, nan], evals={1: 2.5, 2: nan},
+                                   final_bpb=nan))
+    lost = parse_log(write_log(tmp_path / "lost.txt", "lost", [nan, nan]))
+    capsys.readouterr()
+    figs = plot.build_figures([one, diverged, lost])
+    lines = {line.get_label(): line for line in figs["loss_vs_step"].axes[0].get_lines()}
+    assert lines["one"].get_marker() == "." and list(lines["one"].get_ydata()) == [3.0]
+    assert list(lines["diverged"].get_ydata()) == [3.0] and "lost" not in lines
+    assert "lost.txt: no finite training loss to draw" in capsys.readouterr().err
+    bpb = line_data(figs["bpb_vs_step"])
+    assert bpb["diverged"] == ([1], [2.5]) and "diverged (artifact)" not in bpb  # the NaN score has no star

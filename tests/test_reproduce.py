@@ -63,9 +63,14 @@ def test_welch_edge_cases():
     # No spread on either side: t and p are undefined. This used to give p 0 or 1 by the sign of a difference
     # within rounding of the margin (1 - 0.995 passed it, 2 - 1.995 did not): identical runs say the seed was lost.
     for base, cand in (([1.0, 1.0], [0.995, 0.995]), ([2.0, 2.0], [1.995, 1.995]), ([2.0, 2.0], [2.0, 2.0])):
-        with pytest.raises(ValueError, match="needs spread: every run of each side has the same value"):
+        with pytest.raises(ValueError, match="needs spread on each side: every baseline and every candidate run"):
             welch_one_sided(base, cand, 0.005)
-    assert welch_one_sided([2.0, 2.0], [1.0, 1.1], 0.005)["p_value"] < 0.05  # spread on one side is enough
+    # Nor on one side (found by a review): three copies of one candidate run, against a baseline with spread, passed
+    # the record rule at p 0.002 on the baseline's spread alone. Identical runs are one sample.
+    with pytest.raises(ValueError, match="every candidate run has the same value"):
+        welch_one_sided([2.23, 2.225, 2.227], [2.2, 2.2, 2.2], 0.005)
+    with pytest.raises(ValueError, match="every baseline run has the same value"):
+        welch_one_sided([2.0, 2.0], [1.0, 1.1], 0.005)
     with pytest.raises(ValueError, match="needs finite values"):  # used to fail inside the incomplete beta
         welch_one_sided([2.0, float("nan")], [1.0, 1.1])
 
@@ -181,6 +186,16 @@ def test_submission_fields():
     assert shipped["bytes_code"] == 250_000 and shipped["bytes_total"] == 15_350_000
     with pytest.raises(ValueError, match="different hardware or software"):
         build_submission("mhc", "me", [results[0], SeedResult(3, final(3, 1.9, 1), {**gpu, "torch": "2.12"}, 8)])
+    assert sub["code_digests"] == ["unknown"]  # SeedResults without a digest (logs from before it)
+    digests = [SeedResult(r.seed, r.final, gpu, 8, code) for r, code in zip(results, ("b" * 16, "a" * 16))]
+    assert build_submission("mhc", "me", digests)["code_digests"] == ["a" * 16, "b" * 16]
+    # Every seed fit under its own count, but with the largest code counted one does not (found by a review: seeds
+    # reused from other code, 15,993,686 and 15,908,547 bytes, made a 16,003,547-byte submission).
+    near = [SeedResult(1, final(1, 1.9, 15_993_686 - 60_000), gpu, 8),
+            SeedResult(2, {**final(2, 1.9, 15_908_547 - 150_000), "code_bytes": 150_000}, gpu, 8)]
+    with pytest.raises(ValueError, match=r"seed 1: artifact 15,933,686 \+ code 150,000 bytes = 16,083,686, over the "
+                                         r"16,000,000-byte cap"):
+        build_submission("mhc", "me", near)
 
 
 # docs/run_logs/README.md: (n_streams, mhc_blocks), val_bpb per seed, and the mean docs/benchmarks.md quotes.
@@ -388,7 +403,7 @@ def test_reuse_reads_finished_seeds_back_and_runs_only_the_others(tiny_seed_runs
     def fake_run(run):  # a third seed, run now: stands in for train.py
         ran.append(run.seed)
         run.returncode, run.final = 0, dict(log8.final, run_id=run.run_id, val_bpb=log8.final["val_bpb"] + 0.01)
-        run.versions, run.world_size = log8.versions, 1
+        run.versions, run.world_size, run.code = log8.versions, 1, log8.code
         return run
     monkeypatch.setattr(reproduce, "run_seed", fake_run)
     # the logs copied to another folder (another machine's): folders differ, the config does not
@@ -496,9 +511,48 @@ def test_an_unfinished_log_is_refused_unless_the_run_resumes(tiny_seed_runs, dem
 
     def fake_resume(run):
         ran.append((run.seed, "train.resume=latest" in run.command))
-        run.returncode, run.final, run.versions = 0, dict(log7.final, run_id=run.run_id), log7.versions
+        run.returncode, run.final, run.versions, run.code = 0, dict(log7.final, run_id=run.run_id), log7.versions, log7.code
         return run
     monkeypatch.setattr(reproduce, "run_seed", fake_resume)
     assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
                                     overrides=[*logs, "train.resume=latest"])) == 0
     assert ran == [(7, True), (8, True)]
+
+
+def test_reuse_refuses_a_log_of_other_code_unless_allowed(tiny_seed_runs, demo_dir, tmp_path, monkeypatch, capsys):
+    """--reuse counted logs of any code: three seeds run at two commits (one of them +dirty) made one submission
+    (found by a review). A log's code digest must be the checkout's, unless --allow-other-code, and submission.json
+    lists the digests."""
+    no_run(monkeypatch)
+
+    def other_code(seed, text):
+        return text.replace(f"code {parse_log(tiny_seed_runs.logs[0]).code}", "code 0000000000000000", 1) \
+            if seed == TINY_SEEDS[0] else text
+    logs = copied_logs(tiny_seed_runs, tmp_path / "logs", other_code)
+    with pytest.raises(SystemExit, match=rf"tiny-run-s{TINY_SEEDS[0]}.txt ran code 0000000000000000, this checkout's "
+                                         r"training code is [0-9a-f]{16}.*--allow-other-code"):
+        reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse", overrides=logs))
+    assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
+                                    "--allow-other-code", overrides=logs)) == 0
+    sub = json.loads((tmp_path / "sub" / "submission.json").read_text())
+    assert sub["code_digests"] == sorted({"0000000000000000", parse_log(tiny_seed_runs.logs[1]).code})
+
+
+def test_seeds_scored_on_other_validation_text_make_no_submission(tiny_seed_runs, demo_dir, tmp_path, monkeypatch,
+                                                                  capsys):
+    """Without --baseline the seeds' own scoring was never compared: a seed scored on another machine's shard
+    was averaged in (found by a review)."""
+    no_run(monkeypatch)
+
+    def other_text(seed, text):
+        if seed != TINY_SEEDS[1]:
+            return text
+        *lines, last = text.splitlines()
+        final = json.loads(last.removeprefix("final "))
+        final["bytes"] += 7
+        return "\n".join([*lines, "final " + json.dumps(final)]) + "\n"
+    logs = copied_logs(tiny_seed_runs, tmp_path / "logs", other_text)
+    assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
+                                    overrides=logs)) == 1
+    assert "the seeds scored different validation data" in capsys.readouterr().err
+    assert not (tmp_path / "sub" / "submission.json").exists()

@@ -28,15 +28,6 @@ class CheckpointError(ValueError):
     """A checkpoint this run cannot continue from: another world size or optimizer settings, a missing part."""
 
 
-class StopRequested(Exception):
-    """A stop signal acted on after training (between the scoring phases, or inside one on a single rank): the
-    trained state is checkpointed, and train.resume=latest scores it without training further."""
-
-    def __init__(self, phase: str):
-        super().__init__(phase)
-        self.phase = phase
-
-
 @dataclass
 class Resumed:
     step: int

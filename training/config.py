@@ -85,6 +85,8 @@ class QuantConfig:
     calib_reserve_s: float = 0.0       # seconds of train.time_budget_s kept for calibration
     cap_bytes: int = 16_000_000        # artifact + code must fit (decimal bytes)
     margin_bytes: int = 20_000         # safety margin under the cap for the int5/int6 allocation
+    budget_bytes: int = 0              # the artifact's budget; 0: cap_bytes - counted code - margin_bytes. A record's
+                                       # config pins its runs' budget (its train_gpt.py counts less code than they did)
     min_bits: int = 5                  # 4: if all-int5 is over the cap, demote the least sensitive matrices to int4
     allocator: str = "rank"            # rank: int6 for the most sensitive prefix | lagrangian: widths priced by bytes
     error_weight: str = "output"       # what the allocator compares: output (layer output MSE) | fisher (× loss gradient²)
@@ -206,7 +208,7 @@ AT_LEAST = (
     ("optim.matrix_lr", 0), ("optim.embed_lr", 0), ("optim.scalar_lr", 0), ("optim.weight_decay", 0),
     ("optim.grad_clip", 0), ("optim.ns_steps", 1), ("optim.warmup_steps", 0), ("optim.muon_momentum_warmup_steps", 0),
     ("optim.ema_warmup_steps", 1), ("quant.calib_seqs", 1), ("quant.calib_reserve_s", 0), ("quant.cap_bytes", 1),
-    ("quant.margin_bytes", 0), ("train.batch_tokens", 1), ("train.micro_batch_seqs", 1), ("train.max_steps", 1),
+    ("quant.margin_bytes", 0), ("quant.budget_bytes", 0), ("train.batch_tokens", 1), ("train.micro_batch_seqs", 1), ("train.max_steps", 1),
     ("train.time_budget_s", 0), ("train.log_every", 1), ("train.checkpoint_every", 0), ("train.seed", 0))
 # Fractions: (key, whether 1 itself is allowed). A decay or momentum of 1 never forgets (and Adam's bias
 # correction divides by 1 - beta2^t).

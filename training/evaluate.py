@@ -18,9 +18,17 @@ import torch
 import torch.distributed as dist
 
 from data.tokenizer import ByteLUT
-from training.checkpoint import StopRequested
 
 PROGRESS_EVERY_S = 30.0  # evaluate_bpb's progress lines
+
+
+class StopRequested(Exception):
+    """A stop signal acted on after training (between the scoring phases, or inside a scoring pass on a single
+    rank): train.py checkpoints the trained state, and train.resume=latest scores it without training further."""
+
+    def __init__(self, phase: str):
+        super().__init__(phase)
+        self.phase = phase
 
 
 @dataclass(frozen=True)

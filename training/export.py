@@ -97,7 +97,7 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
         try:
             artifact_path.parent.mkdir(parents=True, exist_ok=True)
             code = code_bytes(REPO)
-            budget = cfg.quant.cap_bytes - code - cfg.quant.margin_bytes
+            budget = cfg.quant.budget_bytes or cfg.quant.cap_bytes - code - cfg.quant.margin_bytes
             with reference_mlps(model):
                 batches = calibration_batches(cfg, model, train_files, device)
                 t_calib_data = time.perf_counter() - t0
