@@ -211,7 +211,9 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
         log(f"train.resume=latest: no checkpoint in {ckpt_dir}, so the run starts at step 0")
     ema = maybe_ema(model, cfg.optim)
     start = resume(resume_from, model, optimizers, ema, loader, dist, log)
-    budget = cfg.train.time_budget_s - cfg.quant.calib_reserve_s if cfg.train.time_budget_s else 0.0
+    # the reserve is for calibration on training tokens, which the rules count in the budget; generated text is not
+    reserve = cfg.quant.calib_reserve_s if cfg.quant.calib_source == "train" else 0.0
+    budget = cfg.train.time_budget_s - reserve if cfg.train.time_budget_s else 0.0
     trained = start.step >= cfg.train.max_steps or (budget and start.train_time_s >= budget)
     if trained:  # a checkpoint of a finished training (a stop signal came while it was scored): no step to run
         log(f"the checkpoint's training is finished (step {start.step}, {start.train_time_s:.1f} s): scoring it")

@@ -152,6 +152,18 @@ def test_time_schedule_needs_a_budget():
         load_config(None, ["train.schedule=time"])
 
 
+def test_a_number_is_neither_a_boolean_nor_infinite(tmp_path):
+    """Found by a review: `matrix_lr = true` in a TOML file loaded as 1.0, and train.time_budget_s=inf passed the
+    check that a time schedule has a budget (the warmdown then never began)."""
+    toml = tmp_path / "c.toml"
+    toml.write_text("[optim]\nmatrix_lr = true\n")
+    with pytest.raises(ConfigError, match=r"optim.matrix_lr: expected a number, got True"):
+        load_config(toml)
+    for override in ("train.time_budget_s=inf", "optim.grad_clip=-inf", "optim.matrix_lr=nan", "model.mlp_mult=1e999"):
+        with pytest.raises(ConfigError, match=rf"{override.split('=')[0]}: expected a finite number"):
+            load_config(None, [override, "train.schedule=time"] if "budget" in override else [override])
+
+
 def test_every_config_field_is_read_by_the_code():
     """No dead flags: each field is read as `<section>.<name>` (or through a config object: cfg, config, self, a
     one-letter alias) somewhere outside the config module and tests. A bare `.<name>` matched torch.compile for

@@ -15,6 +15,7 @@ from conftest import FakeWandb
 from data.shards import ShardError
 from model.gpt import GPT
 from quant.container import load_artifact
+from scripts.runlog import parse_log
 from training.config import ConfigError, load_config
 from training.optim import build_optimizers
 from training.trainer import grad_accum_steps, train_step
@@ -141,6 +142,26 @@ def test_a_reused_run_id_and_a_run_ending_inside_warmup_are_said(demo_dir, tmp_p
     assert "WARNING" in out and "logs/tiny.txt already holds a run of train.run_id=tiny" in out
     assert "WARNING the time budget ended the run at step" in out and "learning-rate warmup" in out
     assert "scoring: " in out and " windows in " in out
+
+
+def test_the_warmdown_follows_whichever_limit_ends_the_run(demo_dir, tmp_path, capsys):
+    """Found by a review: with train.schedule=time a run that train.max_steps ended first never warmed down (its
+    EMA shipped un-annealed weights), and with schedule=steps a run the budget ended did so without a word. And
+    quant.calib_reserve_s came off the training budget even when calibration reads no training tokens."""
+    import train
+    base = ["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path), "train.log_every=1",
+            "optim.warmup_steps=0", "eval.max_tokens=500", "optim.lr_floor=0.1"]
+    train.main(base + ["train.schedule=time", "train.time_budget_s=1000", "train.max_steps=10", "train.run_id=steps"])
+    lrs = [s["lr_mult"] for s in parse_log(tmp_path / "logs/steps.txt").steps]
+    assert lrs[:5] == [1.0] * 5 and lrs[5:] == sorted(lrs[5:], reverse=True) and lrs[-1] == pytest.approx(0.2)
+    capsys.readouterr()
+    train.main(base + ["train.schedule=steps", "train.time_budget_s=2", "train.max_steps=100000",
+                       "quant.calib_reserve_s=1", "quant.calib_source=generated", "quant.calib_seqs=2",
+                       "train.run_id=clock"])
+    out = capsys.readouterr().out
+    assert "budget 2.0 s" in out  # the whole budget trains: generated calibration needs no reserve
+    assert "WARNING the time budget ended the run at step" in out and "of train.max_steps=100000 with " \
+        "train.schedule=steps" in out and "not annealed (hint: train.schedule=time" in out
 
 
 @pytest.mark.parametrize("seqs,source", [(10, "train"), (3, "train"), (16, "train"), (10, "generated")])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,10 +145,15 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
         except ValueError:
             raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
     if typ is float:
+        if isinstance(value, bool):  # float(True) is 1.0: `matrix_lr = true` trained at an lr of 1
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+        if not math.isfinite(number):  # inf passed the range checks (time_budget_s=inf made a schedule never end)
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        return number
     if typ is str:
         if not isinstance(value, str):  # a list or number here would surface later as a puzzling path
             raise ConfigError(f"{where}: expected a string, got {value!r} (hint: quote it; data paths take one "

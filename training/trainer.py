@@ -110,7 +110,9 @@ def run_training(
         if budget and now >= budget:
             stopped_by = "time_budget"
             break
-        progress = min(now / budget, 1.0) if t.schedule == "time" else step / t.max_steps
+        # schedule=time: the clock, or the steps where max_steps comes first (it stops the run too: a run it ended
+        # at full learning rate shipped an EMA of un-annealed weights); schedule=steps: the steps alone
+        progress = max(min(now / budget, 1.0), step / t.max_steps) if t.schedule == "time" else step / t.max_steps
         lr_mult = lr_multiplier(progress, step, cfg.optim)
         set_lr_and_momentum(optimizers, lr_mult, step, cfg.optim)
         loss = train_step(step_model, loader, optimizers, cfg, accum, dist.device)
@@ -144,6 +146,12 @@ def run_training(
         log(f"WARNING the time budget ended the run at step {completed}, inside the {cfg.optim.warmup_steps}-step "
             "learning-rate warmup: the score says little about the recipe (hint: a longer train.time_budget_s; on a "
             "shared CPU, OMP_NUM_THREADS=1 may run more steps)")
+    if stopped_by == "time_budget" and t.schedule == "steps" and cfg.optim.warmdown_frac > 0 \
+            and completed < t.max_steps * (1.0 - cfg.optim.lr_floor * cfg.optim.warmdown_frac):
+        log(f"WARNING the time budget ended the run at step {completed} of train.max_steps={t.max_steps} with "
+            f"train.schedule=steps, whose warmdown runs on steps: the learning rate was at "
+            f"{lr_multiplier(completed / t.max_steps, completed, cfg.optim):.3g} of its peak, "
+            "not annealed (hint: train.schedule=time warms down on the clock)")
     if completed > last_log_step:  # stopped between log steps (the budget, a signal): the last step is logged too,
         record_step(loss, lr_mult)  # and a loss gone NaN since the last log step stops the run here, named
     sync()
