@@ -207,6 +207,10 @@ def load_artifact(path: str | os.PathLike, stored: bool = False, expect=None) ->
     on the verified header before any tensor is decompressed (scripts/evaluate.py matches it to the model)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such artifact (hint: train.py writes <train.out_dir>/<run_id>.mhcg)")
+    size = os.path.getsize(path)
+    if size > MAX_RAW_BYTES:  # read before any check: a multi-GB file would be held in memory whole
+        raise ArtifactError(f"{path}: {size:,} bytes, more than the {MAX_RAW_BYTES:,} any artifact's tensors may "
+                            "declare (hint: is this an artifact? train.py writes <train.out_dir>/<run_id>.mhcg)")
     with open(path, "rb") as f:
         data = f.read()
     return parse_artifact(data, os.fspath(path), stored, expect)
@@ -248,7 +252,8 @@ def _verified_parts(path: str, data: bytes) -> tuple[dict, bytes]:
                             f"the file records {digest.hex()} (corrupted file)")
     try:
         header = json.loads(_decompress_header(path, body[_PREFIX.size:_PREFIX.size + header_len]).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: [[[[...
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: [[[[...; ValueError:
+        # JSONDecodeError, and an integer of more than 4,300 digits
         raise ArtifactError(f"{path}: header is not valid JSON: {exc}") from None
     payload = body[_PREFIX.size + header_len:]
     _check_header(path, header, len(payload))
@@ -317,10 +322,14 @@ def _decode_entry(entry: dict, raw: bytes, stored: bool = False):
         split = entry["scale_offset"]
         codes = decode_codes(raw[:split], entry["bits"], entry["layout"], shape[0] * shape[1])
         scales = decode_scales(raw[split:], shape[0])
+        if not np.isfinite(scales).all():  # the exporter never writes one: a forged or damaged file
+            raise ValueError("its scales hold NaN or Inf")
         qt = QuantizedTensor(codes.reshape(shape), scales, entry["bits"])
         return qt if stored else qt.dequantize()
     array = np.frombuffer(raw, dtype=np.dtype(entry["dtype"]).newbyteorder("<")).reshape(shape)
     array = array.astype(array.dtype.newbyteorder("="))
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        raise ValueError("it holds NaN or Inf")
     if stored:
         return array
     tensor = torch.from_numpy(array)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -39,9 +40,20 @@ def load_model(artifact: Path, device: torch.device) -> tuple[GPT, dict]:
 
     def match_model(meta: dict, entries: list[dict]) -> None:
         configs.append(model_config(artifact, meta))
-        with torch.device("meta"):  # shapes only, no memory
-            expected = GPT(configs[0]).state_dict()
-        stored = {e["name"]: e for e in entries}
+        config, stored = configs[0], {e["name"]: e for e in entries}
+        # Cheap facts first: a forged width or depth would make even the shapes-only build below allocate gigabytes
+        # (the rotary tables are real tensors) or run for minutes.
+        embed = stored.get("embed.weight", {}).get("shape")
+        if embed != [config.vocab_size, config.d_model] or len(entries) < config.n_layers:
+            raise ArtifactError(f"{artifact}: its model config (vocab_size {config.vocab_size}, d_model "
+                                f"{config.d_model}, n_layers {config.n_layers}) does not match its {len(entries)} "
+                                f"tensors (embed.weight {embed}) (hint: a damaged artifact, or one written by "
+                                "another code version)")
+        try:
+            with torch.device("meta"):  # shapes only, no memory
+                expected = GPT(config).state_dict()
+        except (ArithmeticError, TypeError, ValueError, RuntimeError) as e:  # e.g. a hidden width past int64
+            raise ArtifactError(f"{artifact}: its model config cannot build a model: {e}") from None
         missing, unexpected = sorted(set(expected) - set(stored)), sorted(set(stored) - set(expected))
         if missing or unexpected:
             raise ArtifactError(f"{artifact}: tensors do not match the model config: missing {missing[:5]}, "
@@ -55,6 +67,8 @@ def load_model(artifact: Path, device: torch.device) -> tuple[GPT, dict]:
                                     f"config makes it {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)}")
 
     meta, state = load_artifact(artifact, expect=match_model)
+    if device.type == "cuda" and configs[0].kernel_problem():  # a shape the Triton kernels cannot take: the
+        configs[0].mhc_kernels = False                          # reference computes the same function
     model = GPT(configs[0])
     model.load_state_dict(state)
     return model.to(device), meta
@@ -74,12 +88,20 @@ def model_config(artifact: Path, meta: dict) -> ModelConfig:
             want = type(getattr(default, key))
             if not (type(value) is want or (want is float and type(value) is int)):
                 raise ValueError(f"{key}={value!r} is not of type {want.__name__}")
+            if want is float and not math.isfinite(value):
+                raise ValueError(f"{key}={value!r} is not a finite number")
         config = ModelConfig(**given)
         config.validate()
         return config
-    except (TypeError, ValueError) as e:
+    except (ArithmeticError, TypeError, ValueError) as e:
         raise ArtifactError(f"{artifact}: its model config cannot build a model: {e} (hint: a damaged artifact, "
                             "or one written by another code version)") from None
+
+
+def require_same_tokenizer(artifact: Path, meta: dict, tokenizer_sha256: str) -> None:
+    if meta.get("tokenizer_sha256") not in (None, tokenizer_sha256):
+        raise ArtifactError(f"{artifact}: trained with tokenizer sha256 {str(meta['tokenizer_sha256'])[:12]}…, "
+                            f"evaluating with {tokenizer_sha256[:12]}… (hint: pass the run's tokenizer)")
 
 
 def recorded_eval(meta: dict, source: str | Path = "the artifact", **given: int | None) -> EvalConfig:
@@ -111,9 +133,8 @@ def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT
                 tokenizer_sha256: str | None = None, progress=None, should_stop=None) -> dict:
     """BPB of the model loaded from `artifact`, and the shipped size (artifact + counted code). progress and
     should_stop: see training.evaluate.evaluate_bpb."""
-    if tokenizer_sha256 and meta.get("tokenizer_sha256") not in (None, tokenizer_sha256):
-        raise ArtifactError(f"{artifact}: trained with tokenizer sha256 {meta['tokenizer_sha256'][:12]}…, "
-                         f"evaluating with {tokenizer_sha256[:12]}… (hint: pass the run's tokenizer)")
+    if tokenizer_sha256:
+        require_same_tokenizer(artifact, meta, tokenizer_sha256)
     result = evaluate_bpb(model, val_tokens, lut, context=eval_cfg.context, stride=eval_cfg.stride,
                           batch_seqs=eval_cfg.batch_seqs, device=device,
                           autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
@@ -172,11 +193,20 @@ def score(a: argparse.Namespace, p: argparse.ArgumentParser, device: torch.devic
         eval_cfg.validate()
     except ValueError as e:
         p.error(f"{e} (hint: from --context/--stride/--max-tokens/--batch-seqs, else recorded in {a.artifact})")
+    sha = file_sha256(a.tokenizer)
+    require_same_tokenizer(Path(a.artifact), meta, sha)
     tokens = load_tokens(shards, eval_cfg.max_tokens)
     lut = build_byte_lut(sp)
+    vocab = min(len(lut.base_bytes), model.cfg.vocab_size)
+    if len(tokens) and int(tokens.max()) >= vocab:
+        raise ShardError(f"{pattern}: token id {int(tokens.max())} is outside the vocabulary of {vocab} ids (of "
+                         f"{a.tokenizer} and the artifact's model) (hint: shards made with another tokenizer)")
     require_byte_audit(tokens, sp, lut, pattern, a.tokenizer)  # BPB's denominator, as train.py checks it
     result = score_model(Path(a.artifact), model, meta, tokens, lut, eval_cfg, device=device,
-                         tokenizer_sha256=file_sha256(a.tokenizer), progress=lambda line: print(line, file=sys.stderr))
+                         tokenizer_sha256=sha, progress=lambda line: print(line, file=sys.stderr))
+    if not math.isfinite(result["val_loss"]):
+        raise ArtifactError(f"{a.artifact}: scores val_loss {result['val_loss']} (its weights give NaN or Inf "
+                            "log-probabilities: a damaged artifact)")
     print(json.dumps(result, sort_keys=True))
     if not result["fits_cap"]:
         sys.exit(f"total {result['total_bytes']:,} bytes is over the 16,000,000-byte cap by "

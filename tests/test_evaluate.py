@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conftest import TINY_SEEDS
 from data.tokenizer import ByteLUT
 from training.evaluate import audit_bytes, evaluate_bpb, plan_windows, target_bytes
 
@@ -132,8 +133,9 @@ def test_artifact_trained_with_fa3_loads_where_fa3_is_missing(tmp_path, monkeypa
     assert loaded.cfg.attention == "auto" and all(a.body.fa3 is None for a in loaded.sublayers[::2])
 
 
-def rewritten(path: Path, out: Path, edit) -> Path:
-    """The artifact at `path` with its header edited by `edit(header)` and the sha256 recomputed: a forged file."""
+def rewritten(path: Path, out: Path, edit, edit_text=lambda text: text) -> Path:
+    """The artifact at `path` with its header edited by `edit(header)` (then its JSON text by `edit_text`) and the
+    sha256 recomputed: a forged file."""
     import hashlib
     import json
     import lzma
@@ -142,7 +144,7 @@ def rewritten(path: Path, out: Path, edit) -> Path:
     header_len, payload_len = struct.unpack_from("<IQ", data, 12)
     header = json.loads(lzma.decompress(data[24:24 + header_len]))
     edit(header)
-    packed = lzma.compress(json.dumps(header).encode())
+    packed = lzma.compress(edit_text(json.dumps(header)).encode())
     body = data[:12] + struct.pack("<IQ", len(packed), payload_len) + packed + data[24 + header_len:-32]
     out.write_bytes(body + hashlib.sha256(body).digest())
     return out
@@ -181,8 +183,14 @@ def test_a_model_config_the_artifact_cannot_hold_is_refused_before_loading(tmp_p
         "invalid": (set_config(n_layers=0), "model.n_layers=0 must be >= 1"),
         "heads": (set_config(n_heads=8), rf"tensor '{gain}' is stored as float \[4\], the model config makes it "
                                          r"float32 \[8\]"),
-        "vocab": (set_config(vocab_size=2 ** 27), r"stored as float \[64, 32\], the model config makes it float32 "
-                                                  r"\[134217728, 32\]"),
+        "vocab": (set_config(vocab_size=2 ** 27), r"its model config \(vocab_size 134217728, d_model 32, n_layers 1\) "
+                                                  r"does not match its \d+ tensors \(embed.weight \[64, 32\]\)"),
+        # found by a review: these allocated gigabytes (the rotary tables are real tensors even in a shapes-only
+        # build), ran for minutes, or ended in an OverflowError or TypeError traceback
+        "wide": (set_config(d_model=2 ** 20, n_heads=1, n_kv_heads=1), r"d_model 1048576.* does not match"),
+        "deep": (set_config(n_layers=200_000), r"n_layers 200000\) does not match its \d+ tensors"),
+        "inf_mlp": (set_config(mlp_mult=float("inf")), "mlp_mult=inf is not a finite number"),
+        "huge_mlp": (set_config(mlp_mult=1e300), "model config cannot build a model"),
         "relabelled": (relabel, rf"tensor '{gain}' is stored as int32 \[4\], the model config makes it float32"),
         "extra": (lambda h: h["tensors"][-1].update(name="x.weight"), "tensors do not match the model config"),
     }
@@ -192,6 +200,37 @@ def test_a_model_config_the_artifact_cannot_hold_is_refused_before_loading(tmp_p
     model, meta = load_model(good, torch.device("cpu"))
     with pytest.raises(ArtifactError, match=r"a.mhcg: its meta records eval_context='32', not an integer"):
         recorded_eval({**meta, "eval_context": "32"}, "a.mhcg")
+
+
+def test_a_forged_header_or_payload_is_one_error(tmp_path, monkeypatch):
+    """Found by a review: a 5,000-digit integer in the header was a bare ValueError from json, NaN scales loaded and
+    scored NaN as success, and a file of any size was read whole before any check."""
+    import dataclasses
+
+    from model.config import ModelConfig
+    from model.gpt import GPT
+    from quant import container
+    from quant.container import ArtifactError, load_artifact
+    from quant.export import export_artifact
+    cfg = ModelConfig(vocab_size=64, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, n_streams=2)
+    good = tmp_path / "good.mhcg"
+    export_artifact(GPT(cfg), [torch.randint(0, 64, (2, 16))], str(good), {"model_config": dataclasses.asdict(cfg),
+                    "tokenizer_sha256": "0" * 64}, 10**7, log=lambda _: None, observed_patterns=("mhc.*.phi",))
+    big = rewritten(good, tmp_path / "big.mhcg", lambda h: h["meta"].update(x="BIG"),
+                    lambda text: text.replace('"BIG"', "9" * 5000))
+    with pytest.raises(ArtifactError, match="big.mhcg: header is not valid JSON: Exceeds the limit"):
+        load_artifact(big)
+    meta, stored = load_artifact(good, stored=True)
+    quant_name = next(name for name, value in stored.items() if hasattr(value, "scales"))
+    real_decode = container.decode_scales
+    monkeypatch.setattr(container, "decode_scales", lambda data, count: np.full(count, np.nan, np.float16)
+                        if count == stored[quant_name].scales.shape[0] else real_decode(data, count))
+    with pytest.raises(ArtifactError, match=r"good.mhcg: tensor '.*' is invalid: its scales hold NaN or Inf"):
+        load_artifact(good)
+    monkeypatch.setattr(container, "decode_scales", real_decode)
+    monkeypatch.setattr(container, "MAX_RAW_BYTES", good.stat().st_size - 1)
+    with pytest.raises(ArtifactError, match=r"good.mhcg: [\d,]+ bytes, more than the [\d,]+ any artifact's tensors"):
+        load_artifact(good)
 
 
 def test_scoring_defaults_to_what_the_run_recorded():
@@ -240,3 +279,39 @@ def test_the_command_line_names_bad_input_in_one_line(demo_dir, tmp_path, capsys
     with pytest.raises(SystemExit):
         evaluate.main(["--artifact", "a", "--val", val, "--tokenizer", tok, "--device", f"cuda:{beyond}"])
     assert f"--device cuda:{beyond}: {beyond} CUDA device(s) visible (hint: --device cpu)" in capsys.readouterr().err
+
+
+def test_shards_of_a_larger_vocabulary_are_named_before_scoring(tiny_seed_runs, demo_dir, tmp_path):
+    """Found by a review: validation shards made with a larger tokenizer than --tokenizer crashed inside the byte
+    table with an IndexError traceback; and the tokenizer check came after the byte audit."""
+    from data.shards import write_shard
+    from scripts import evaluate
+    artifact = tiny_seed_runs.root / "runs" / f"tiny-run-s{TINY_SEEDS[0]}.mhcg"
+    (tmp_path / "val").mkdir()
+    write_shard(tmp_path / "val" / "fineweb_val_000000.bin", np.array([1, 5, 981, 7] * 50, dtype=np.uint16))
+    with pytest.raises(SystemExit, match=r"scripts.evaluate: .*fineweb_val_\*.bin: token id 981 is outside the "
+                                         r"vocabulary of 512 ids .*another tokenizer"):
+        evaluate.main(["--artifact", str(artifact), "--val", str(tmp_path / "val"), "--tokenizer",
+                       str(demo_dir / "tokenizer.model"), "--device", "cpu"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_artifact_asking_for_kernels_its_shape_cannot_take_is_scored_by_the_reference(tmp_path):
+    """Found by a review: on a GPU such an artifact ended in check_streams' bare ValueError. The reference computes
+    the same function, so scoring takes it."""
+    import dataclasses
+
+    from model.config import ModelConfig
+    from model.gpt import GPT
+    from quant.export import export_artifact
+    from scripts.evaluate import load_model
+    cfg = ModelConfig(vocab_size=64, n_layers=1, d_model=40, n_heads=4, n_kv_heads=2, n_streams=2)  # 40: not 16k
+    meta = {"model_config": {**dataclasses.asdict(cfg), "mhc_kernels": True}, "tokenizer_sha256": "0" * 64}
+    path = tmp_path / "a.mhcg"
+    export_artifact(GPT(cfg), [torch.randint(0, 64, (2, 16))], str(path), meta, 10**7, log=lambda _: None,
+                    observed_patterns=("mhc.*.phi",))
+    model, _ = load_model(path, torch.device("cuda"))
+    assert not model.cfg.mhc_kernels
+    x = torch.randint(0, 64, (2, 16), device="cuda")
+    assert torch.isfinite(model.token_nll(x[:, :-1], x[:, 1:])).all()
