@@ -12,7 +12,9 @@ Each file is downloaded into DIR/datasets/.staging (huggingface_hub resumes part
 checked against the size and checksum the Hub reports (the LFS sha256, or the git blob id of a small file;
 shards also against their own header), and only then renamed into place. A file already in place that
 matches is skipped, so re-running resumes; the checksums of files found good are remembered in
-DIR/datasets/.verified.json by size and modification time, so a rerun does not read 16 GB again.
+DIR/datasets/.verified.json by size and modification time, so a rerun does not read 16 GB again. Until every file
+is in place the shard folder holds a marker (data.shards.DOWNLOAD_MARKER) naming the command, and the loaders refuse
+the folder: a glob would otherwise match the shards that arrived and train on part of the set.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data.files import write_atomic
-from data.shards import ShardError, read_header
+from data.shards import DOWNLOAD_MARKER, ShardError, read_header
 
 REPO_ID = "willdepueoai/parameter-golf"
 REMOTE_ROOT = "datasets"
@@ -220,6 +222,12 @@ def download(variant: str, train_shards: int, out_dir: Path, repo_id: str = REPO
     plan = plan_downloads(manifest, variant, train_shards, out_dir)
     hub = hub_files(repo_id, [f.remote for f in plan])
     staging = out_dir / "datasets" / ".staging"
+    # Until every file is in place the shard folder says so: a glob would otherwise train on the part that arrived.
+    markers = sorted({item.local.parent / DOWNLOAD_MARKER for item in plan if item.kind in ("train", "val")})
+    for marker in markers:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(marker, f"python -m data.download --variant {variant} --train-shards {train_shards} --out "
+                             f"{out_dir} --repo-id {repo_id}\n".encode())
     for i, item in enumerate(plan, 1):
         expected = hub.get(item.remote)
         if expected is None:
@@ -229,6 +237,8 @@ def download(variant: str, train_shards: int, out_dir: Path, repo_id: str = REPO
             continue
         fetch(repo_id, item, expected, staging, retries, verified)
         print(f"[{i}/{len(plan)}] got {item.local} ({expected.size:,} bytes)", flush=True)
+    for marker in markers:
+        marker.unlink()
     shutil.rmtree(staging, ignore_errors=True)
     return [item.local for item in plan]
 

@@ -21,6 +21,7 @@ HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 BOS_ID = 1
 SWAP_MARKER = ".prepare-swap-in-progress"  # data.prepare's, while a folder holds parts of two shard sets
+DOWNLOAD_MARKER = ".download-incomplete"   # data.download's, until every file it was asked for is in place
 TOKEN_DTYPE = np.dtype("<u2")
 
 
@@ -101,6 +102,12 @@ def list_shards(pattern: str) -> list[str]:
         if os.path.exists(os.path.join(folder, SWAP_MARKER)):
             raise ShardError(f"{folder or '.'}: data.prepare was interrupted while replacing its shards, so it holds "
                              "parts of two sets (hint: run the data.prepare command again with --overwrite)")
+        marker = os.path.join(folder, DOWNLOAD_MARKER)
+        if os.path.exists(marker):  # a glob would match the shards that arrived, and train on part of the set
+            with open(marker, encoding="utf-8", errors="replace") as f:
+                command = f.read().strip()
+            raise ShardError(f"{folder or '.'}: data.download has not finished fetching this folder ({command}); its "
+                             "shards are part of the set asked for (hint: run that command again: it resumes)")
     return files
 
 
