@@ -126,8 +126,8 @@ def test_model_sizes_out_of_range_are_refused(override, message):
 
 
 @pytest.mark.parametrize("override,message", [
-    ("optim.matrix_lr=nan", "optim.matrix_lr=nan must be >= 0"),
-    ("model.rope_base=nan", "model.rope_base=nan must be > 0"),
+    ("optim.matrix_lr=nan", "optim.matrix_lr: expected a finite number, got 'nan'"),
+    ("model.rope_base=nan", "model.rope_base: expected a finite number, got 'nan'"),
     ("model.mlp_mult=0.0009", "model.mlp_mult=0.0009 gives an MLP of 0 channels at d_model=512"),
 ])
 def test_nan_and_degenerate_sizes_are_refused(override, message):
