@@ -13,6 +13,7 @@ import argparse
 import copy
 import faulthandler
 import json
+import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -35,8 +36,8 @@ from training.config import Config, ConfigError, load_config, to_dict
 from training.distributed import (RankAgreement, RankFailed, destroy, fail_together, init_distributed,
                                   require_same_on_every_rank)
 from training.ema import maybe_ema
-from training.evaluate import ByteAuditError, StopRequested, evaluate_bpb, require_byte_audit
-from training.export import ARTIFACT_CODEC, export_model
+from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit
+from training.export import ARTIFACT_CODEC, artifact_budget, export_model
 from training.optim import build_optimizers
 from training.run_log import RunLog, check_log_dir, git_commit, log_path, maybe_wandb, require_wandb, versions
 from training.sources import code_digest
@@ -86,6 +87,7 @@ def main(argv=None, default_config: str | None = None) -> dict:
     try:
         require_codec(ARTIFACT_CODEC)  # the export needs it after training
         grad_accum_steps(cfg, dist.world_size)  # the batch divides over this world size
+        artifact_budget(cfg)  # the artifact and the code fit under the cap together
         if device.type == "cuda" and (problem := cfg.model.kernel_problem()):  # not in the first forward
             raise ConfigError(problem)
         train_files = list_shards(cfg.data.train_files)
@@ -214,17 +216,20 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
     # the reserve is for calibration on training tokens, which the rules count in the budget; generated text is not
     reserve = cfg.quant.calib_reserve_s if cfg.quant.calib_source == "train" else 0.0
     budget = cfg.train.time_budget_s - reserve if cfg.train.time_budget_s else 0.0
-    trained = start.step >= cfg.train.max_steps or (budget and start.train_time_s >= budget)
+    # from the ranks' agreed clock: each rank saved its own, and ranks that disagreed here would not meet in the
+    # collectives of the warm-up step
+    clock = RankAgreement(dist.world_size)(start.train_time_s, False)[0]
+    trained = start.step >= cfg.train.max_steps or (budget and clock >= budget)
     if trained:  # a checkpoint of a finished training (a stop signal came while it was scored): no step to run
         log(f"the checkpoint's training is finished (step {start.step}, {start.train_time_s:.1f} s): scoring it")
     elif cfg.train.compile:
         warm_up_compile(step_model, model, loader, optimizers, cfg, grad_accum_steps(cfg, dist.world_size), device, log)
 
-    def evaluate(m=model, should_stop=None) -> dict:
+    def evaluate(m=model, before_batch=None) -> dict:
         return evaluate_bpb(m, val.tokens, val.lut, context=cfg.eval.context, stride=cfg.eval.stride,
                             batch_seqs=cfg.eval.batch_seqs, device=device,
                             autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                            rank=dist.rank, world_size=dist.world_size, progress=log, should_stop=should_stop)
+                            rank=dist.rank, world_size=dist.world_size, progress=log, before_batch=before_batch)
 
     checkpointer.install_signal_handlers()  # until the artifact is scored: a signal after training keeps its state
     try:
@@ -236,14 +241,28 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
             destroy()
             raise SystemExit(143)
         log(f"phase training {result.train_time_s:.1f} s, {result.steps} steps, stopped by {result.stopped_by}")
+        kept, made = keep_trained_state(checkpointer, result, model, optimizers, ema, loader, dist, log)
         try:
-            return ship(cfg, dist, model, ema, loader.files, result, val, n_params, evaluate, checkpointer, log)
+            final = ship(cfg, dist, model, ema, loader.files, result, val, n_params, evaluate, checkpointer, log)
         except StopRequested as stop:
-            keep_trained_state(checkpointer, result, model, optimizers, ema, loader, dist, log, stop.phase)
+            log(f"stopped by a signal {stop.phase}: the trained state is checkpoint {kept} (step {result.steps}); "
+                f"train.resume=latest train.run_id={run_id} scores it without training further")
             destroy()
             raise SystemExit(143) from None
+        if made and dist.rank == 0:  # kept only while the run was scored (train.checkpoint_every=0)
+            shutil.rmtree(kept, ignore_errors=True)
+        return final
     finally:
         checkpointer.restore_signal_handlers()
+
+
+class StopRequested(Exception):
+    """A stop signal acted on after training: between the scoring phases (the ranks agree on it), or inside a
+    scoring pass on a single rank. The trained state is in a checkpoint by then (keep_trained_state)."""
+
+    def __init__(self, phase: str):
+        super().__init__(phase)
+        self.phase = phase
 
 
 def resume(resume_from: Path | None, model, optimizers, ema, loader, dist, log) -> Resumed:
@@ -268,11 +287,15 @@ def ship(cfg: Config, dist, model, ema, train_files: list[str], result, val: Val
     scoring pass."""
     device, run_id = dist.device, cfg.train.run_id
     agree = RankAgreement(dist.world_size)
-    poll = (lambda: checkpointer.stop_requested) if dist.world_size == 1 else None
 
     def check_stop(phase: str) -> None:
         if agree(0.0, checkpointer.stop_requested)[1]:
             raise StopRequested(f"before {phase}")
+
+    def stop_now() -> None:  # one rank alone can leave a pass: ranks score different windows, with no agreement
+        if checkpointer.stop_requested:
+            raise StopRequested("during scoring")
+    poll = stop_now if dist.world_size == 1 else None
 
     final = {"run_id": run_id, "steps": result.steps, "train_time_s": round(result.train_time_s, 2),
              "tokens_seen": result.tokens, "params": n_params, "world_size": dist.world_size}
@@ -281,7 +304,7 @@ def ship(cfg: Config, dist, model, ema, train_files: list[str], result, val: Val
         if cfg.eval.pre_quant:
             check_stop("the pre-quant evaluation")
             t0 = time.perf_counter()
-            pre = evaluate(should_stop=poll)
+            pre = evaluate(before_batch=poll)
             log.record("eval", stage="pre_quant", seconds=round(time.perf_counter() - t0, 1), **pre)
             final.update(pre_quant_val_loss=pre["val_loss"], pre_quant_val_bpb=pre["val_bpb"])
         check_stop("the export")
@@ -299,7 +322,7 @@ def ship(cfg: Config, dist, model, ema, train_files: list[str], result, val: Val
     t0 = time.perf_counter()
     scored = evaluate_artifact(artifact, val.tokens, val.lut, cfg.eval, device=device, rank=dist.rank,
                                world_size=dist.world_size, tokenizer_sha256=file_sha256(cfg.data.tokenizer),
-                               progress=log, should_stop=poll)
+                               progress=log, before_batch=poll)
     log.record("eval", stage="artifact", seconds=round(time.perf_counter() - t0, 1), **scored)
     final.update({k: scored[k] for k in ("val_loss", "val_bpb", "tokens", "bytes", "artifact_bytes",
                                          "code_bytes", "total_bytes", "fits_cap")})
@@ -316,17 +339,21 @@ def ship(cfg: Config, dist, model, ema, train_files: list[str], result, val: Val
     return final
 
 
-def keep_trained_state(checkpointer: Checkpointer, result, model, optimizers, ema, loader, dist, log,
-                       when: str) -> None:
-    """After a stop signal outside the training loop: the trained state (the live weights, the EMA beside them) as
-    a checkpoint, unless the folder has it already (train.checkpoint_every > 0 wrote it, or the run resumed from
-    it). Scoring it again is then train.resume=latest, with no training step."""
-    missing = RankAgreement(dist.world_size)(0.0, not checkpointer.has(result.steps))[1]
+def keep_trained_state(checkpointer: Checkpointer, result, model, optimizers, ema, loader, dist,
+                       log) -> tuple[Path, bool]:
+    """Before scoring: the trained state (live weights, EMA, optimizers, loader) as a checkpoint, so that a stop
+    signal while the run is scored or exported loses no training; train.resume=latest then scores it with no step.
+    Written before, not on the signal: under torchrun (or Slurm) SIGKILL follows SIGTERM within 30 s, and several
+    ranks can only stop between phases that take minutes. Returns (its folder, whether it was written now: not when
+    train.checkpoint_every > 0 wrote it, or the run resumed from it)."""
     path = checkpointer.dir / f"step_{result.steps:08d}"
-    if missing:
-        path = checkpointer.save(result.steps, result.train_time_s, model, optimizers, ema, loader)
-    log(f"stopped by a signal {when}: the trained state is checkpoint {path} (step {result.steps}); "
-        f"train.resume=latest train.run_id={path.parent.name} scores it without training further")
+    if not RankAgreement(dist.world_size)(0.0, not checkpointer.has(result.steps))[1]:
+        return path, False
+    t0 = time.perf_counter()
+    checkpointer.save(result.steps, result.train_time_s, model, optimizers, ema, loader)
+    log(f"checkpoint {path} (step {result.steps}, {time.perf_counter() - t0:.1f} s): the trained state, kept while "
+        "the run is scored")
+    return path, True
 
 
 def source_entropy(cfg: Config) -> float | None:

@@ -13,8 +13,8 @@ checked against the size and checksum the Hub reports (the LFS sha256, or the gi
 shards also against their own header), and only then renamed into place. A file already in place that
 matches is skipped, so re-running resumes; the checksums of files found good are remembered in
 DIR/datasets/.verified.json by size and modification time, so a rerun does not read 16 GB again. Until every file
-is in place the shard folder holds a marker (data.shards.DOWNLOAD_MARKER) naming the command, and the loaders refuse
-the folder: a glob would otherwise match the shards that arrived and train on part of the set.
+is in place the shard folder holds a marker (data.shards.DOWNLOAD_MARKER) naming the command and the shards it
+expects, and the loaders refuse a pattern that matches one still missing: it would train on part of the set.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import argparse
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -222,23 +223,27 @@ def download(variant: str, train_shards: int, out_dir: Path, repo_id: str = REPO
     plan = plan_downloads(manifest, variant, train_shards, out_dir)
     hub = hub_files(repo_id, [f.remote for f in plan])
     staging = out_dir / "datasets" / ".staging"
-    # Until every file is in place the shard folder says so: a glob would otherwise train on the part that arrived.
-    markers = sorted({item.local.parent / DOWNLOAD_MARKER for item in plan if item.kind in ("train", "val")})
-    for marker in markers:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(marker, f"python -m data.download --variant {variant} --train-shards {train_shards} --out "
-                             f"{out_dir} --repo-id {repo_id}\n".encode())
+    missing = []
     for i, item in enumerate(plan, 1):
-        expected = hub.get(item.remote)
-        if expected is None:
+        if hub.get(item.remote) is None:
             raise ValueError(f"{repo_id}: {item.remote} is listed by the manifest but not on the Hub")
-        if check_file(item.local, expected, verified) is None:
+        if check_file(item.local, hub[item.remote], verified) is None:
             print(f"[{i}/{len(plan)}] have {item.local}", flush=True)
-            continue
-        fetch(repo_id, item, expected, staging, retries, verified)
-        print(f"[{i}/{len(plan)}] got {item.local} ({expected.size:,} bytes)", flush=True)
-    for marker in markers:
-        marker.unlink()
+        else:
+            missing.append((i, item))
+    # Until every shard is in place its folder says which it expects: a glob would otherwise train on those that
+    # arrived. The loaders refuse a pattern that matches an expected shard still missing (data.shards.list_shards).
+    command = shlex.join(["python", "-m", "data.download", "--variant", variant, "--train-shards", str(train_shards),
+                          "--out", str(out_dir), "--repo-id", repo_id])
+    folders = {item.local.parent for _, item in missing if item.kind in ("train", "val")}
+    for folder in sorted(folders):
+        expected = sorted(item.local.name for item in plan if item.local.parent == folder)
+        write_atomic(folder / DOWNLOAD_MARKER, (json.dumps({"command": command, "files": expected}) + "\n").encode())
+    for i, item in missing:
+        fetch(repo_id, item, hub[item.remote], staging, retries, verified)
+        print(f"[{i}/{len(plan)}] got {item.local} ({hub[item.remote].size:,} bytes)", flush=True)
+    for folder in folders:
+        (folder / DOWNLOAD_MARKER).unlink()
     shutil.rmtree(staging, ignore_errors=True)
     return [item.local for item in plan]
 

@@ -6,8 +6,10 @@ tokens; there is no EOS. A document may continue into the next shard.
 """
 from __future__ import annotations
 
+import fnmatch
 import glob
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -103,12 +105,27 @@ def list_shards(pattern: str) -> list[str]:
             raise ShardError(f"{folder or '.'}: data.prepare was interrupted while replacing its shards, so it holds "
                              "parts of two sets (hint: run the data.prepare command again with --overwrite)")
         marker = os.path.join(folder, DOWNLOAD_MARKER)
-        if os.path.exists(marker):  # a glob would match the shards that arrived, and train on part of the set
-            with open(marker, encoding="utf-8", errors="replace") as f:
-                command = f.read().strip()
-            raise ShardError(f"{folder or '.'}: data.download has not finished fetching this folder ({command}); its "
-                             "shards are part of the set asked for (hint: run that command again: it resumes)")
+        if os.path.exists(marker):
+            require_downloaded(marker, folder, os.path.basename(pattern))
     return files
+
+
+def require_downloaded(marker: str, folder: str, name_pattern: str) -> None:
+    """data.download's marker lists the shards it is fetching into `folder`: refuse a pattern that matches one still
+    missing, since the glob would train (or score) on the part that arrived. Other patterns in the folder (the
+    validation shards once complete, a prefix of the training shards) pass."""
+    try:
+        with open(marker, encoding="utf-8") as f:
+            fields = json.load(f)
+        command, expected = str(fields["command"]), [str(name) for name in fields["files"]]
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable: the whole folder is in doubt
+        command, expected = "python -m data.download ...", None
+    missing = [name for name in expected or [] if fnmatch.fnmatch(name, name_pattern)
+               and not os.path.exists(os.path.join(folder, name))]
+    if expected is None or missing:
+        some = f" ({len(missing)} of the shards {name_pattern!r} matches, e.g. {missing[0]})" if missing else ""
+        raise ShardError(f"{folder or '.'}: data.download has not finished fetching this folder{some}: the pattern "
+                         f"would read part of the set (hint: run `{command}` again: it resumes)")
 
 
 def require_disjoint(train_files: list[str], val_files: list[str]) -> None:

@@ -250,8 +250,9 @@ def _verified_parts(path: str, data: bytes) -> tuple[dict, bytes]:
     if actual != digest:
         raise ArtifactError(f"{path}: integrity check failed: sha256 of header+payload is {actual.hex()}, "
                             f"the file records {digest.hex()} (corrupted file)")
+    text = _decompress_header(path, body[_PREFIX.size:_PREFIX.size + header_len])  # its own ArtifactError
     try:
-        header = json.loads(_decompress_header(path, body[_PREFIX.size:_PREFIX.size + header_len]).decode())
+        header = json.loads(text.decode())
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: [[[[...; ValueError:
         # JSONDecodeError, and an integer of more than 4,300 digits
         raise ArtifactError(f"{path}: header is not valid JSON: {exc}") from None

@@ -120,25 +120,25 @@ def recorded_eval(meta: dict, source: str | Path = "the artifact", **given: int 
 
 def evaluate_artifact(artifact: str | Path, val_tokens, lut: ByteLUT, eval_cfg: EvalConfig, *,
                       device: torch.device, rank: int = 0, world_size: int = 1,
-                      tokenizer_sha256: str | None = None, progress=None, should_stop=None) -> dict:
+                      tokenizer_sha256: str | None = None, progress=None, before_batch=None) -> dict:
     artifact = Path(artifact)
     model, meta = load_model(artifact, device)
     return score_model(artifact, model, meta, val_tokens, lut, eval_cfg, device=device, rank=rank,
                        world_size=world_size, tokenizer_sha256=tokenizer_sha256, progress=progress,
-                       should_stop=should_stop)
+                       before_batch=before_batch)
 
 
 def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT, eval_cfg: EvalConfig, *,
                 device: torch.device, rank: int = 0, world_size: int = 1,
-                tokenizer_sha256: str | None = None, progress=None, should_stop=None) -> dict:
+                tokenizer_sha256: str | None = None, progress=None, before_batch=None) -> dict:
     """BPB of the model loaded from `artifact`, and the shipped size (artifact + counted code). progress and
-    should_stop: see training.evaluate.evaluate_bpb."""
+    before_batch: see training.evaluate.evaluate_bpb."""
     if tokenizer_sha256:
         require_same_tokenizer(artifact, meta, tokenizer_sha256)
     result = evaluate_bpb(model, val_tokens, lut, context=eval_cfg.context, stride=eval_cfg.stride,
                           batch_seqs=eval_cfg.batch_seqs, device=device,
                           autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                          rank=rank, world_size=world_size, progress=progress, should_stop=should_stop)
+                          rank=rank, world_size=world_size, progress=progress, before_batch=before_batch)
     sizes = check_total(artifact.stat().st_size, code_bytes(REPO))
     result.update(context=eval_cfg.context, stride=eval_cfg.stride, max_tokens=eval_cfg.max_tokens,
                   artifact_bytes=sizes["artifact_bytes"], code_bytes=sizes["code_bytes"],

@@ -230,7 +230,7 @@ def check_runs(logs: list[RunLogData], code: str | None) -> list[SeedResult]:
             raise ValueError(f"{log.source}: scored on the first eval.max_tokens={log.config_value('eval.max_tokens')} "
                              "validation tokens only; a record is scored on all of them (hint: eval.max_tokens=0)")
         if code is not None and log.code != code:
-            ran = f"code {log.code}" if log.code else "code of unknown digest (a log from before digests were logged)"
+            ran = log.describe_code()
             raise ValueError(f"{log.source}: ran {ran}, and the train_gpt.py this would write carries code {code}: "
                              "the record would claim these scores for code that did not make them (hint: rerun the "
                              "seeds on this checkout, or --allow-other-code; the README then lists every digest)")

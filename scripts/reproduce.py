@@ -192,7 +192,7 @@ def reuse_seed(run: SeedRun, log: RunLogData, config: str, overrides: list[str],
     and that it succeeded (a failed run is not silently counted)."""
     path = log.source
     if code is not None and log.code != code:
-        ran = f"code {log.code}" if log.code else "code of unknown digest (a log from before digests were logged)"
+        ran = log.describe_code()
         raise SystemExit(f"reproduce: {path} ran {ran}, this checkout's training code is {code}: counted with the "
                          "seeds run now, it would mix two recipes under one submission. hint: move the log away to "
                          "run the seed again, or --allow-other-code to count it anyway (submission.json lists the "
@@ -345,14 +345,16 @@ def main(argv=None) -> int:
             run_seed(r)
     good = [r for r in runs if r.problem() is None]
     sig, not_compared = None, None
+    # what to do when no submission.json is written for a reason other than a failed seed
+    hint = "the seeds' logs stay; --reuse with another --baseline compares them without running them again"
     if code is not None and len({r.code for r in good}) > 1:  # the checkout changed while the seeds ran
-        not_compared = ("the seeds ran different code: " + ", ".join(f"seed {r.seed} {r.code}" for r in good)
-                        + " (hint: leave the checkout alone while seeds run; --reuse --allow-other-code counts them)")
+        not_compared = "the seeds ran different code: " + ", ".join(f"seed {r.seed} {r.code}" for r in good)
+        hint = "leave the checkout alone while seeds run, or count them with --reuse --allow-other-code"
     elif len(good) == len(runs) > 1:  # the mean of runs scored on different text means nothing
         try:
             check_scored_alike([r.scored() for r in good], "the seeds")
         except ComparisonError as e:
-            not_compared = str(e)
+            not_compared, hint = str(e), "run every seed on the same validation shards and tokenizer"
     if not_compared:
         pass
     elif baseline is not None and len(good) < len(runs):  # a verdict on the seeds that survived would hide the others
@@ -370,8 +372,7 @@ def main(argv=None) -> int:
         print(f"{len(runs) - len(good)} of {len(runs)} seed(s) failed; no submission.json written", file=sys.stderr)
         return 1
     if not_compared:
-        print("no submission.json written (hint: the seeds' logs stay; --reuse with another --baseline compares them "
-              "without running them again)", file=sys.stderr)
+        print(f"no submission.json written (hint: {hint})", file=sys.stderr)
         return 1
     try:
         submission = build_submission(a.name, a.github_id, [SeedResult(r.seed, r.final, r.versions, r.world_size,

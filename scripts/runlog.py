@@ -34,7 +34,7 @@ class RunLogData:
     source: str                                  # file name (or "stdout of …") for error messages
     run_id: str | None = None
     commit: str | None = None
-    code: str | None = None                      # training.sources.code_digest of the code that ran
+    codes: list = field(default_factory=list)    # code digest of each process that wrote the kept run (None: unlogged)
     world_size: int | None = None
     device: str | None = None
     versions: dict = field(default_factory=dict)
@@ -44,6 +44,21 @@ class RunLogData:
     stage_evals: dict[str, dict] = field(default_factory=dict)  # end-of-run evals by stage
     final: dict | None = None
     fresh_runs: int = 0                          # `config` lines of runs that did not resume (see the module doc)
+
+    @property
+    def code(self) -> str | None:
+        """The digest of the code that made the kept run (training.sources.code_digest), or None where its processes
+        logged none or differing ones (a run resumed, or only scored, under other code)."""
+        digests = set(self.codes)
+        return digests.pop() if len(digests) == 1 else None
+
+    def describe_code(self) -> str:
+        """The code that made the kept run, in words, for a refusal."""
+        known = sorted({c for c in self.codes if c})
+        if len(set(self.codes)) > 1:
+            return (f"code of digests {', '.join(known)}{' and an unlogged one' if None in self.codes else ''} (its "
+                    "processes differ: resumed or scored under other code)")
+        return f"code {known[0]}" if known else "code of unknown digest (a log from before digests were logged)"
 
     @property
     def label(self) -> str:
@@ -96,7 +111,7 @@ def _apply_line(log: RunLogData, line: str, where: str) -> None:
     header = HEADER.match(line)
     if header:
         log.run_id, log.commit, log.device = header["run_id"], header["commit"], header["device"]
-        log.code = header["code"]
+        log.codes.append(header["code"])
         log.world_size = int(header["world_size"])
         return
     kind, _, payload = line.partition(" ")
@@ -115,6 +130,7 @@ def _apply_line(log: RunLogData, line: str, where: str) -> None:
         resumed = isinstance(record.get("train"), dict) and bool(record["train"].get("resume"))
         if not resumed:  # a run_id used again: the earlier run's steps and evals are not this run's
             log.steps, log.evals, log.fresh_runs = [], [], log.fresh_runs + 1
+            log.codes = log.codes[-1:]  # this run's own header
         log.config, log.final, log.stage_evals = record, None, {}
     else:
         log.versions = record

@@ -11,12 +11,14 @@ CONFIG = str(REPO / "configs/demo.toml")
 
 
 def test_real_variants_run_side_by_side_and_a_failure_is_reported(demo_dir, tmp_path, capsys):
+    from quant.size import code_bytes
     common = [o for o in tiny_run_overrides(demo_dir, tmp_path) if not o.startswith("eval.every_steps")]
+    small_cap = f"quant.cap_bytes={code_bytes(REPO) + 21000}"  # 1 kB beside the code and the margin
     out = tmp_path / "ablate.json"
     code = ablate.main(["--config", CONFIG, "--gpus", "none", "--parallel", "2", "--prefix", "t", "--out", str(out),
                         "--variant", "plain=model.n_streams=1",
                         "--variant", "mhc2=model.n_streams=2 model.mhc_granularity=block",
-                        "--variant", "tiny-cap=model.n_streams=1 quant.cap_bytes=1000", "--", *common])
+                        "--variant", f"tiny-cap=model.n_streams=1 {small_cap}", "--", *common])
     assert code == 1  # the capped variant cannot ship
     printed = capsys.readouterr().out
     assert "[plain] " in printed and "[mhc2] " in printed and "| variant | status |" in printed

@@ -270,9 +270,14 @@ def in_process(corpus, tmp_path, run_id, *extra) -> list[str]:
 
 @pytest.fixture(scope="module")
 def straight_record(corpus, tmp_path_factory) -> dict:
-    """The record of a run that no signal stopped (checkpoint_every does not change it)."""
+    """The record of a run that no signal stopped (checkpoint_every does not change it). With checkpoint_every=0
+    the trained state is checkpointed while the run is scored, and removed once it is."""
     import train
-    return train.main(in_process(corpus, tmp_path_factory.mktemp("straight"), "straight"))
+    root = tmp_path_factory.mktemp("straight")
+    record = train.main(in_process(corpus, root, "straight"))
+    assert "the trained state, kept while the run is scored" in (root / "logs/straight.txt").read_text()
+    assert complete_checkpoints(root / "runs/checkpoints/straight") == []
+    return record
 
 
 @pytest.mark.slow
@@ -281,9 +286,9 @@ def test_a_signal_after_training_keeps_the_trained_state_and_resume_scores_it(co
                                                                                monkeypatch, when, every):
     """A signal after the last step, while the run scored or exported, ended the process and lost the training
     with train.checkpoint_every=0 (found by a walkthrough). Now the trained state is checkpointed (or found,
-    when checkpoint_every > 0 wrote it already), and train.resume=latest scores it with no step: the same
-    record, bit for bit, as a run never stopped. On one rank the signal stops a scoring pass at its next batch;
-    otherwise at the next phase."""
+    when checkpoint_every > 0 wrote it already) before the run is scored, and train.resume=latest scores it with no
+    step: the same record, bit for bit, as a run never stopped. On one rank the signal stops a scoring pass at its
+    next batch; otherwise at the next phase."""
     import train
     from training import evaluate as evaluation
     real = evaluation.evaluate_bpb

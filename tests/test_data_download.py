@@ -186,19 +186,27 @@ def test_a_manifest_that_is_not_json_is_named_with_a_hint(hub, tmp_path):
         dl.download("sp1024", 0, tmp_path, retries=1)
 
 
-def test_a_folder_an_unfinished_download_left_is_refused_until_it_finishes(hub, tmp_path):
+def test_a_pattern_that_an_unfinished_download_leaves_short_is_refused_until_it_finishes(hub, tmp_path):
     """A failed download left some shards in place, and a glob matched them: training used part of the set with no
-    word (a leftover of session 18). The folder now carries a marker naming the command until it finishes."""
+    word (a leftover of session 18). The folder now carries a marker with the command and the shards it expects; a
+    pattern that matches a missing one is refused, others (the complete validation shards) pass."""
     from data.shards import DOWNLOAD_MARKER, ShardError, list_shards
-    out = tmp_path / "data"
+    out = tmp_path / "my data"
     hub.fail_always = {"datasets/datasets/fineweb10B_sp1024/fineweb_train_000001.bin"}
     with pytest.raises(RuntimeError, match="could not download"):
         dl.download("sp1024", 2, out, retries=1)
     folder = out / "datasets" / "fineweb10B_sp1024"
     assert (folder / "fineweb_train_000000.bin").is_file() and (folder / DOWNLOAD_MARKER).is_file()
-    with pytest.raises(ShardError, match=r"data.download has not finished fetching this folder \(python -m "
-                                         r"data.download --variant sp1024 --train-shards 2 .*run that command again"):
+    with pytest.raises(ShardError, match=r"has not finished fetching this folder \(1 of the shards "
+                                         r"'fineweb_train_\*.bin' matches, e.g. fineweb_train_000001.bin\).*run "
+                                         r"`python -m data.download --variant sp1024 --train-shards 2 --out '.*my "
+                                         r"data' --repo-id"):
         list_shards(str(folder / "fineweb_train_*.bin"))
+    assert len(list_shards(str(folder / "fineweb_val_*.bin"))) == 2  # complete: scoring may go on
+    assert len(list_shards(str(folder / "fineweb_train_000000.bin"))) == 1  # a prefix chosen on purpose
     hub.fail_always = set()
     dl.download("sp1024", 2, out, retries=1)  # the rerun resumes and clears the marker
     assert not (folder / DOWNLOAD_MARKER).exists() and len(list_shards(str(folder / "fineweb_train_*.bin"))) == 2
+    (folder / DOWNLOAD_MARKER).write_text("garbage")  # unreadable: the folder is in doubt
+    with pytest.raises(ShardError, match=r"has not finished fetching this folder: the pattern would read part"):
+        list_shards(str(folder / "fineweb_val_*.bin"))

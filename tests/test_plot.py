@@ -205,3 +205,22 @@ def test_one_point_shows_and_nan_points_are_left_out(tmp_path, capsys):
     assert "lost.txt: no finite training loss to draw" in capsys.readouterr().err
     bpb = line_data(figs["bpb_vs_step"])
     assert bpb["diverged"] == ([1], [2.5]) and "diverged (artifact)" not in bpb  # the NaN score has no star
+
+
+def test_the_code_digest_is_that_of_every_process_of_the_kept_run():
+    """Found by a review: only the last `run` header's digest was kept, so a run trained under one code and resumed
+    (or only scored) under another passed as the other's."""
+    a, b = "a" * 16, "b" * 16
+
+    def header(code):
+        return f"run r  commit abc  code {code}  world_size 1  device cpu" if code else \
+            "run r  commit abc  world_size 1  device cpu"
+    fresh, resumed = 'config {"train": {"resume": ""}}', 'config {"train": {"resume": "latest"}}'
+    final = 'final {"val_bpb": 1.0}'
+    assert parse_lines([header(a), fresh, final], "x").code == a
+    mixed = parse_lines([header(a), fresh, 'step {"step": 1, "loss": 2.0}', header(b), resumed, final], "x")
+    assert mixed.code is None and mixed.codes == [a, b] and "digests aaaa" in mixed.describe_code()
+    again = parse_lines([header(a), fresh, final, header(b), fresh, final], "x")  # a run_id used again: the last run
+    assert again.code == b and again.codes == [b]
+    old = parse_lines([header(None), fresh, final], "x")
+    assert old.code is None and "unknown digest" in old.describe_code()

@@ -160,8 +160,9 @@ def test_consistently_tampered_header_is_refused(tmp_path, tiny):
     }
     for name, (data, message) in cases.items():
         (tmp_path / name).write_bytes(data)
-        with pytest.raises(ArtifactError, match=message):
+        with pytest.raises(ArtifactError, match=message) as refused:
             load_artifact(tmp_path / name)
+        assert str(refused.value).count(name) == 1, refused.value  # named once: not wrapped in a second error
 
 
 def artifact_of(tensors: list[tuple[dict, bytes]], codec: str = "brotli", header_text: bytes | None = None) -> bytes:

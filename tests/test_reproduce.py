@@ -329,11 +329,12 @@ def test_two_tiny_seeds_give_a_submission(tiny_seed_runs):
 
 @pytest.mark.parametrize("failure, message", [
     ("data.train_files={tmp}/missing_*.bin", "train.py exited with status 1"),
-    ("quant.cap_bytes=90000", "no artifact: "),  # the tiny model does not fit 90 kB: train.py ships nothing
+    ("quant.cap_bytes={code_and_1k}", "no artifact: "),  # 1 kB beside the code: train.py ships nothing
 ])
 def test_a_failing_seed_is_reported_and_exits_nonzero(demo_dir, tmp_path, capsys, failure, message):
+    from quant.size import code_bytes
     overrides = [*tiny_run_overrides(demo_dir, tmp_path), "train.max_steps=2", "quant.margin_bytes=0",
-                 failure.format(tmp=tmp_path)]
+                 failure.format(tmp=tmp_path, code_and_1k=code_bytes(REPO) + 1000)]
     code = reproduce.main(["--config", str(REPO / "configs/demo.toml"), "--seeds", "5", "--out", str(tmp_path / "sub"),
                            "--", *overrides])
     captured = capsys.readouterr()
@@ -554,5 +555,7 @@ def test_seeds_scored_on_other_validation_text_make_no_submission(tiny_seed_runs
     logs = copied_logs(tiny_seed_runs, tmp_path / "logs", other_text)
     assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
                                     overrides=logs)) == 1
-    assert "the seeds scored different validation data" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the seeds scored different validation data" in err
+    assert "(hint: run every seed on the same validation shards and tokenizer)" in err and "--baseline" not in err
     assert not (tmp_path / "sub" / "submission.json").exists()

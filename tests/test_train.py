@@ -230,12 +230,27 @@ def test_two_ranks_reproduce_one_process_at_the_same_global_batch(tmp_path, free
 
 def test_artifact_over_the_cap_is_never_reported_as_success(demo_dir, tmp_path, capsys):
     import train
+    from quant.size import code_bytes
+    small_cap = f"quant.cap_bytes={code_bytes(REPO) + 1000}"  # 1 kB for the artifact: the tiny model needs ~39
     with pytest.raises(SystemExit, match="no artifact: even all-int5"):
         train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
-                    "train.max_steps=2", "quant.cap_bytes=90000", "quant.margin_bytes=0"])
+                    "train.max_steps=2", small_cap, "quant.margin_bytes=0"])
     final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert final["fits_cap"] is False and "over the budget" in final["export_error"]
     assert "val_bpb" not in final and final["pre_quant_val_bpb"] > 0
+
+
+@pytest.mark.parametrize("override, says", [
+    ("quant.cap_bytes=90000", "quant.margin_bytes=20,000 with"),      # less than the code itself
+    ("quant.budget_bytes=15900000", "quant.budget_bytes=15,900,000 with")])
+def test_a_budget_that_cannot_fit_beside_the_code_stops_the_run_at_setup(demo_dir, tmp_path, override, says):
+    """Found by a review: a quant.budget_bytes above what the cap leaves beside the code trained the whole budget
+    and failed only at the export (a cap below the code did too)."""
+    import train
+    with pytest.raises(ConfigError, match=rf"{says} [\d,]+ bytes of counted code leaves an artifact budget of "
+                                          r"-?[\d,]+ bytes under quant.cap_bytes=.*fit under the cap together"):
+        train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path), override])
+    assert not (tmp_path / "logs").exists() or not list((tmp_path / "logs").iterdir())  # refused before a log
 
 
 def test_a_broken_manifest_beside_the_tokenizer_stops_the_run_at_setup(demo_dir, tmp_path, capsys):

@@ -22,15 +22,6 @@ from data.tokenizer import ByteLUT
 PROGRESS_EVERY_S = 30.0  # evaluate_bpb's progress lines
 
 
-class StopRequested(Exception):
-    """A stop signal acted on after training (between the scoring phases, or inside a scoring pass on a single
-    rank): train.py checkpoints the trained state, and train.resume=latest scores it without training further."""
-
-    def __init__(self, phase: str):
-        super().__init__(phase)
-        self.phase = phase
-
-
 @dataclass(frozen=True)
 class Window:
     start: int        # first input token
@@ -119,12 +110,11 @@ def evaluate_bpb(
     rank: int = 0,
     world_size: int = 1,
     progress: Callable[[str], None] | None = None,
-    should_stop: Callable[[], bool] | None = None,
+    before_batch: Callable[[], None] | None = None,
 ) -> dict:
     """Score `tokens` (uint16 1-D) with `model.token_nll`; windows are split across ranks. progress: called with a
     line every PROGRESS_EVERY_S seconds of scoring (a CPU scores the full validation set for minutes).
-    should_stop: asked before each batch; True raises StopRequested (a stop signal on a single rank: ranks
-    score different windows, so several ranks can only stop between phases, where they agree)."""
+    before_batch: called before each batch (train.py stops a single rank's pass there on a signal)."""
     windows = plan_windows(len(tokens), context, stride)
     mine = windows[rank * len(windows) // world_size:(rank + 1) * len(windows) // world_size]
     all_tokens = torch.from_numpy(tokens.astype(np.int64))
@@ -144,9 +134,8 @@ def evaluate_bpb(
     for length, ws in groups.items():
         offsets = torch.arange(length + 1)
         for i in range(0, len(ws), batch_seqs):
-            if should_stop is not None and should_stop():
-                model.train(was_training)
-                raise StopRequested("during scoring")
+            if before_batch is not None:
+                before_batch()
             if progress is not None and time.perf_counter() - last_said >= PROGRESS_EVERY_S and done:
                 last_said, elapsed = time.perf_counter(), time.perf_counter() - t0
                 progress(f"scoring: {done:,} of {len(mine):,} windows in {elapsed:.0f} s, about "

@@ -19,7 +19,7 @@ from quant.calibrate import generate_calibration_tokens
 from quant.allocate import BudgetError
 from quant.export import export_artifact
 from quant.size import code_bytes
-from training.config import EVAL_RECORDED, Config
+from training.config import EVAL_RECORDED, Config, ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 CALIB_SEED_OFFSET = 7919  # calibration reads the training shards in an order of its own
@@ -82,6 +82,21 @@ def calibration_within_budget(cfg: Config, seconds: float, train_time_s: float, 
     return False
 
 
+def artifact_budget(cfg: Config) -> tuple[int, int]:
+    """(the artifact's byte budget, the counted code): quant.budget_bytes, else cap_bytes - code - margin_bytes.
+    Refused when the budget and the code do not fit under quant.cap_bytes: train.py asks at setup, before training,
+    not after it."""
+    code = code_bytes(REPO)
+    budget = cfg.quant.budget_bytes or cfg.quant.cap_bytes - code - cfg.quant.margin_bytes
+    if budget <= 0 or budget + code > cfg.quant.cap_bytes:
+        given = f"quant.budget_bytes={cfg.quant.budget_bytes:,}" if cfg.quant.budget_bytes else \
+            f"quant.margin_bytes={cfg.quant.margin_bytes:,}"
+        raise ConfigError(f"{given} with {code:,} bytes of counted code leaves an artifact budget of {budget:,} bytes "
+                          f"under quant.cap_bytes={cfg.quant.cap_bytes:,} (hint: the budget and the code must fit "
+                          "under the cap together)")
+    return budget, code
+
+
 def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world_size: int, log,
                  artifact_path: Path, tokenizer_sha256: str, device: torch.device, train_time_s: float) -> dict:
     """Rank 0 calibrates, quantizes and writes the artifact; the other ranks wait for it. An unexpected error on
@@ -96,8 +111,7 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
         t0, code = time.perf_counter(), None
         try:
             artifact_path.parent.mkdir(parents=True, exist_ok=True)
-            code = code_bytes(REPO)
-            budget = cfg.quant.budget_bytes or cfg.quant.cap_bytes - code - cfg.quant.margin_bytes
+            budget, code = artifact_budget(cfg)
             with reference_mlps(model):
                 batches = calibration_batches(cfg, model, train_files, device)
                 t_calib_data = time.perf_counter() - t0
