@@ -261,6 +261,60 @@ def test_a_nan_loss_on_one_ranks_share_stops_every_rank_named(demo_dir, tmp_path
         assert (tmp_path / f"setup{rank}.txt").read_text().startswith("DivergenceError: loss is nan at step 2 ")
 
 
+def scoring_stop_worker(rank: int, world: int, port: int, data: str, out_dir: str, resume: bool) -> None:
+    """train.main on one of two ranks; unless resuming, rank 1 alone gets SIGTERM as its pre-quant evaluation ends."""
+    torch.set_num_threads(1)
+    join_env(rank, world, port)
+    import os
+    import signal
+
+    import train
+    repo = Path(__file__).resolve().parents[1]
+    argv = ["--config", str(repo / "configs/demo.toml"), "train.device=cpu", "train.micro_batch_seqs=16",
+            f"data.train_files={data}/fineweb_train_*.bin", f"data.val_files={data}/fineweb_val_*.bin",
+            f"data.tokenizer={data}/tokenizer.model", f"train.log_dir={out_dir}/logs", f"train.out_dir={out_dir}/runs",
+            "train.run_id=cut", "train.max_steps=4", "train.time_budget_s=0", "train.schedule=steps",
+            "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "eval.max_tokens=2000",
+            "quant.method=rtn", "quant.calib_seqs=2", *(["train.resume=latest"] if resume else [])]
+    real = train.evaluate_bpb
+
+    def evaluate_then_signal(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+    if not resume:
+        train.evaluate_bpb = evaluate_then_signal
+    try:
+        outcome = f"final steps {train.main(argv)['steps']}"
+    except SystemExit as e:
+        outcome = f"exit {e.code}"
+    finally:
+        destroy()
+    Path(out_dir, f"{'resume' if resume else 'cut'}{rank}.txt").write_text(outcome)
+
+
+def test_a_signal_on_one_rank_while_the_run_is_scored_stops_both_and_resume_scores_it(demo_dir, tmp_path, free_port):
+    """Several ranks: the trained state is checkpointed (both parts) before scoring, a signal that reaches one rank
+    stops both at the next phase (they agree), and train.resume=latest on both scores it without a step."""
+    ranks = mp.spawn(scoring_stop_worker, args=(2, free_port, str(demo_dir), str(tmp_path), False), nprocs=2,
+                     join=False)
+    join_or_fail(ranks, 240, "a rank did not stop when the other got a signal while the run was scored")
+    assert [(tmp_path / f"cut{r}.txt").read_text() for r in range(2)] == ["exit 143", "exit 143"]
+    log = (tmp_path / "logs" / "cut.txt").read_text()
+    assert "stopped by a signal before the export: the trained state is checkpoint " in log
+    kept = tmp_path / "runs" / "checkpoints" / "cut" / "step_00000004"
+    assert sorted(p.name for p in kept.iterdir()) == ["rank0.pt", "rank1.pt"]
+    import socket
+    with socket.socket() as sock:  # a port of its own for the second group
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ranks = mp.spawn(scoring_stop_worker, args=(2, port, str(demo_dir), str(tmp_path), True), nprocs=2, join=False)
+    join_or_fail(ranks, 240, "the resumed ranks did not score the checkpoint")
+    assert [(tmp_path / f"resume{r}.txt").read_text() for r in range(2)] == ["final steps 4"] * 2
+    assert "the checkpoint's training is finished (step 4" in (tmp_path / "logs" / "cut.txt").read_text()
+
+
 def export_worker(rank: int, world: int, port: int, data: str, out_dir: str) -> None:
     """training.export.export_model on two ranks, with rank 0's export failing unexpectedly (a full disk, say)."""
     torch.set_num_threads(1)
