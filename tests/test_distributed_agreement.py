@@ -180,6 +180,19 @@ class WandbWithoutNetwork:
         raise ConnectionError("could not reach api.wandb.ai")
 
 
+def demo_argv(data: str, out_dir: str, run_id: str) -> list[str]:
+    """train.py's arguments for the demo config on CPU, on the corpus in `data`, writing under `out_dir`."""
+    repo = Path(__file__).resolve().parents[1]
+    return ["--config", str(repo / "configs/demo.toml"), "train.device=cpu", "train.micro_batch_seqs=16",
+            f"data.train_files={data}/fineweb_train_*.bin", f"data.val_files={data}/fineweb_val_*.bin",
+            f"data.tokenizer={data}/tokenizer.model", f"train.log_dir={out_dir}/logs", f"train.out_dir={out_dir}/runs",
+            f"train.run_id={run_id}"]
+
+
+TINY_STEPS = ["train.max_steps=4", "train.time_budget_s=0", "train.schedule=steps", "model.n_layers=1",
+              "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1"]
+
+
 def setup_worker(rank: int, world: int, port: int, data: str, out_dir: str, fault: str) -> None:
     """train.main on one of two ranks, with a step that rank 0 alone runs made to fail: the validation byte audit
     (fault="audit") or wandb.init (fault="wandb")."""
@@ -189,11 +202,7 @@ def setup_worker(rank: int, world: int, port: int, data: str, out_dir: str, faul
 
     import train
     import training.evaluate
-    repo = Path(__file__).resolve().parents[1]
-    argv = ["--config", str(repo / "configs/demo.toml"), "train.device=cpu", "train.micro_batch_seqs=16",
-            f"data.train_files={data}/fineweb_train_*.bin", f"data.val_files={data}/fineweb_val_*.bin",
-            f"data.tokenizer={data}/tokenizer.model", f"train.log_dir={out_dir}/logs", f"train.out_dir={out_dir}/runs",
-            "train.run_id=setup"]
+    argv = demo_argv(data, out_dir, "setup")
     if fault == "audit":
         training.evaluate.audit_bytes = lambda tokens, sp, lut: (1, 2)
     elif fault == "wandb":
@@ -218,8 +227,7 @@ def setup_worker(rank: int, world: int, port: int, data: str, out_dir: str, faul
             return loss * float("nan") if rank == 1 and step.calls >= 2 else loss
         step.calls = 0
         training.trainer.train_step = step
-        argv += ["train.max_steps=4", "train.log_every=2", "train.time_budget_s=0", "train.schedule=steps",
-                 "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1"]
+        argv += [*TINY_STEPS, "train.log_every=2"]
     write_outcome(Path(out_dir, f"setup{rank}.txt"), lambda: train.main(argv) and "trained")
 
 
@@ -269,13 +277,8 @@ def scoring_stop_worker(rank: int, world: int, port: int, data: str, out_dir: st
     import signal
 
     import train
-    repo = Path(__file__).resolve().parents[1]
-    argv = ["--config", str(repo / "configs/demo.toml"), "train.device=cpu", "train.micro_batch_seqs=16",
-            f"data.train_files={data}/fineweb_train_*.bin", f"data.val_files={data}/fineweb_val_*.bin",
-            f"data.tokenizer={data}/tokenizer.model", f"train.log_dir={out_dir}/logs", f"train.out_dir={out_dir}/runs",
-            "train.run_id=cut", "train.max_steps=4", "train.time_budget_s=0", "train.schedule=steps",
-            "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "eval.max_tokens=2000",
-            "quant.method=rtn", "quant.calib_seqs=2", *(["train.resume=latest"] if resume else [])]
+    argv = [*demo_argv(data, out_dir, "cut"), *TINY_STEPS, "eval.max_tokens=2000", "quant.method=rtn",
+            "quant.calib_seqs=2", *(["train.resume=latest"] if resume else [])]
     real = train.evaluate_bpb
 
     def evaluate_then_signal(*args, **kwargs):
