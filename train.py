@@ -125,7 +125,8 @@ def main(argv=None, default_config: str | None = None) -> dict:
         log(f"WARNING {path} already holds a run of train.run_id={run_id}: this run is "
             "appended to it and replaces its artifact (scripts.runlog reads the newest run; export_record refuses "
             "such a log); hint: a new train.run_id keeps runs apart")
-    log(f"run {run_id}  commit {git_commit(REPO)}  code {code_digest(REPO)}  world_size {dist.world_size}  "
+    digest = code_digest(REPO)  # None: scripts.reproduce --reuse and export_record will call the code unknown
+    log(f"run {run_id}  commit {git_commit(REPO)}{f'  code {digest}' if digest else ''}  world_size {dist.world_size}  "
         f"device {device}")
     log("versions " + json.dumps(versions()))
     log("config " + json.dumps(to_dict(cfg), sort_keys=True))

@@ -312,3 +312,17 @@ def test_runs_scored_on_other_validation_text_are_refused(tiny_seed_runs, tmp_pa
     with pytest.raises(SystemExit, match="the record's runs scored different validation data"):
         export_record.main(["--runs", str(first), str(second), "--out", str(tmp_path / "rec")])
     assert not (tmp_path / "rec").exists()
+
+
+def test_the_code_digest_follows_the_sources_and_is_none_where_the_walk_fails(tmp_path):
+    """train.py logs the digest at every start: a tree the walk cannot read (a relative import) logs none rather
+    than stop the run, and the tools call that code unknown."""
+    from training.sources import code_digest
+    (tmp_path / "train.py").write_text("import helper\n")
+    (tmp_path / "helper.py").write_text("X = 1\n")
+    first = code_digest(tmp_path)
+    assert re.fullmatch(r"[0-9a-f]{16}", first) and code_digest(tmp_path) == first
+    (tmp_path / "helper.py").write_text("X = 2\n")  # an edit of an imported module changes it
+    assert code_digest(tmp_path) not in (None, first)
+    (tmp_path / "train.py").write_text("from .helper import X\n")
+    assert code_digest(tmp_path) is None

@@ -71,6 +71,11 @@ def sources_digest(sources: dict[str, tuple[bool, str]]) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
 
-def code_digest(repo: Path = REPO) -> str:
-    """The digest of the training code under `repo` (train.py and every module it imports)."""
-    return sources_digest(module_sources(collect_modules(repo)))
+def code_digest(repo: Path = REPO) -> str | None:
+    """The digest of the training code under `repo` (train.py and every module it imports), or None where the walk
+    fails (a relative import, a module that cannot be read): the run then logs none, and the tools that compare
+    digests treat it as unknown code."""
+    try:
+        return sources_digest(module_sources(collect_modules(repo)))
+    except (ValueError, OSError, SyntaxError):
+        return None
