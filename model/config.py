@@ -95,7 +95,17 @@ class ModelConfig:
                              f"d_model={self.d_model} (hint: mlp_mult * d_model must round to >= 1)")
         if self.n_streams < 1:
             raise ValueError(f"model.n_streams={self.n_streams} must be >= 1 (1 = plain residual network)")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model={self.d_model} must be divisible by model.n_heads={self.n_heads} (hint: "
+                             "a head is d_model / n_heads channels wide)")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads} "
+                             "(hint: each key/value head serves n_heads / n_kv_heads query heads)")
         hd = self.head_dim
+        if not self.rope_dims and hd % 2:
+            raise ValueError(f"model.d_model={self.d_model} / n_heads={self.n_heads} gives heads of {hd} channels, and "
+                             "RoPE on the whole head (rope_dims=0) rotates pairs (hint: an even head width, or an "
+                             "even model.rope_dims below it)")
         if self.rope_dims < 0 or self.rope_dims > hd or self.rope_dims % 2:
             raise ValueError(f"model.rope_dims={self.rope_dims} must be even and in [0, head_dim={hd}] "
                              "(RoPE rotates pairs of dims; 0 rotates the whole head, the record uses 16)")

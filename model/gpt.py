@@ -51,7 +51,10 @@ class GPT(nn.Module):
         self.n_mhc_blocks = (cfg.mhc_blocks or cfg.n_layers) if n > 1 else 0
         if n > 1:
             units = self.n_mhc_blocks * (1 if cfg.mhc_granularity == "block" else 2)
-            self.mhc = nn.ModuleList(MHCParams(n, C, cfg.mhc_alpha_init) for _ in range(units))
+            # phi's draws come from a fork of the RNG: every other weight then draws what the plain network (and any
+            # other mHC layout) draws under the same seed, so a same-seed comparison of layouts is a paired one
+            with torch.random.fork_rng(devices=[]):
+                self.mhc = nn.ModuleList(MHCParams(n, C, cfg.mhc_alpha_init) for _ in range(units))
             # Σ_i w_i x_i after the last mHC block (for the head, or the plain blocks after mhc_blocks);
             # the mean at init
             self.readout = nn.Parameter(torch.full((n,), 1.0 / n))

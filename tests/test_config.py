@@ -182,7 +182,7 @@ def test_every_config_field_is_read_by_the_code():
 @pytest.mark.parametrize("overrides,message", [
     (["model.n_streams=3"], "model.n_streams=3 with model.mhc_kernels=true: the Triton kernels take 2, 4, 8"),
     (["model.n_streams=16"], "model.n_streams=16 with model.mhc_kernels=true"),
-    (["model.d_model=520", "model.n_heads=8"], "model.d_model=520 with model.mhc_kernels=true"),
+    (["model.d_model=520", "model.n_heads=4"], "model.d_model=520 with model.mhc_kernels=true"),
 ])
 def test_shapes_the_mhc_kernels_cannot_take_are_named(overrides, message):
     """train.py refuses them at setup on a GPU (n_streams=3 failed inside the first forward); the config itself loads,

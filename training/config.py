@@ -265,12 +265,6 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={value} must be in [0, 1{']' if one_allowed else ')'} (hint: the default is "
                               f"{_value(defaults, key)})")
     grad_accum_steps(cfg, 1)  # and for the world size, where train.py knows it
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.n_heads={m.n_heads} (hint: a head "
-                          "is d_model / n_heads channels wide)")
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} must be a multiple of model.n_kv_heads={m.n_kv_heads} (hint: "
-                          "each key/value head serves n_heads / n_kv_heads query heads)")
     if t.schedule not in ("steps", "time"):
         raise ConfigError(f"train.schedule={t.schedule!r}: expected 'steps' or 'time'")
     if t.schedule == "time" and t.time_budget_s <= 0:
