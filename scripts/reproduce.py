@@ -148,9 +148,10 @@ def train_command(config: str, seed: int, run_id: str, overrides: list[str], npr
             *overrides]
 
 
-def run_seed(run: SeedRun) -> SeedRun:
-    """Stream the run's stdout (stderr passes straight through); the last line is the final JSON."""
-    run.returncode, lines, run.final = stream_run(run.command, f"seed {run.seed}")
+def run_seed(run: SeedRun, signals: list[int] | None = None) -> SeedRun:
+    """Stream the run's stdout (stderr passes straight through); the last line is the final JSON. A stop signal
+    goes to the run (it checkpoints) and into `signals`."""
+    run.returncode, lines, run.final = stream_run(run.command, f"seed {run.seed}", signals=signals)
     log = parse_lines(lines[:-1], f"stdout of seed {run.seed}")
     run.versions, run.world_size, run.code = log.versions, log.world_size or 1, log.code
     return run
@@ -340,9 +341,15 @@ def main(argv=None) -> int:
                             config=a.config, overrides=a.overrides, world_size=a.nproc_per_node or 1, code=code)
     except (ConfigError, LogFormatError, FileNotFoundError, ComparisonError) as e:
         raise SystemExit(f"reproduce: {e}") from None
+    signals: list[int] = []
     for r in runs:
         if not r.reused:
-            run_seed(r)
+            run_seed(r, signals)
+        if signals:  # the seed checkpointed and stopped: no next seed, and the way back in
+            print(f"reproduce: stopped by a signal during seed {r.seed} (exit status {r.returncode}); hint: the same "
+                  "command with --reuse, and train.resume=latest after --, continues it from its checkpoint and runs "
+                  "the other seeds", file=sys.stderr)
+            return 143
     good = [r for r in runs if r.problem() is None]
     sig, not_compared = None, None
     # what to do when no submission.json is written for a reason other than a failed seed

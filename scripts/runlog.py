@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import tempfile
 import threading
@@ -178,17 +179,36 @@ def output_problem(path: str | Path, folder: bool) -> str | None:
     return None
 
 
-def stream_run(command: list[str], label: str, env: dict | None = None,
-               print_lock: threading.Lock | None = None) -> tuple[int, list[str], dict | None]:
+def stream_run(command: list[str], label: str, env: dict | None = None, print_lock: threading.Lock | None = None,
+               signals: list[int] | None = None) -> tuple[int, list[str], dict | None]:
     """Run a train.py command, echoing its stdout prefixed with [label] (stderr passes straight
-    through); returns (exit status, stdout lines, the final JSON object of its last line or None)."""
+    through); returns (exit status, stdout lines, the final JSON object of its last line or None).
+
+    signals: called from the main thread with a list, SIGINT/SIGTERM that reach this process while the command
+    runs are passed on to it and appended there, and the command's output is read until it exits (it checkpoints
+    and stops). The command runs in a session of its own, so a terminal's Ctrl-C reaches it once, through here (a
+    second one aborts it, as train.py documents); before, Ctrl-C killed this reader, and train.py died in its next
+    log line on the closed pipe, and SIGTERM to this process alone left train.py running without a reader."""
     lines: list[str] = []
     lock = print_lock or threading.Lock()
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, bufsize=1, env=env) as proc:
-        for line in proc.stdout:
-            with lock:
-                print(f"[{label}] {line}", end="", flush=True)
-            lines.append(line)
+    forward = signals is not None and threading.current_thread() is threading.main_thread()
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
+                          start_new_session=forward) as proc:
+        previous = {}
+        if forward:
+            def pass_on(signum, frame):
+                signals.append(signum)
+                proc.send_signal(signum)
+            previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            for line in proc.stdout:
+                with lock:
+                    print(f"[{label}] {line}", end="", flush=True)
+                lines.append(line)
+            proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     try:
         last = json.loads(lines[-1]) if lines else None
     except json.JSONDecodeError:

@@ -224,3 +224,50 @@ def test_the_code_digest_is_that_of_every_process_of_the_kept_run():
     assert again.code == b and again.codes == [b]
     old = parse_lines([header(None), fresh, final], "x")
     assert old.code is None and "unknown digest" in old.describe_code()
+
+
+def test_a_stop_signal_reaches_the_command_once_and_its_output_is_read_to_the_end(tmp_path):
+    """Found by a walkthrough: Ctrl-C killed scripts.reproduce's reader, and train.py then died in its next log line on
+    the closed pipe, losing the seed; SIGTERM to the reader alone left train.py training with nobody reading. The
+    reader now passes the signal on (the command runs in a session of its own, so a terminal's Ctrl-C reaches it
+    once) and reads its output until it exits."""
+    import os
+    import signal
+    import sys
+    import threading
+
+    from scripts.runlog import stream_run
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import os, signal, sys, time\n"
+        "def stop(signum, frame):\n"
+        "    print('checkpoint written', flush=True)\n"
+        "    sys.exit(143)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        f"print('session differs', os.getsid(0) != {os.getsid(0)}, flush=True)\n"
+        "time.sleep(60)\n")
+    received: list[int] = []
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    code, lines, final = stream_run([sys.executable, str(child)], "c", signals=received)
+    assert code == 143 and received == [signal.SIGTERM] and final is None
+    assert [line.strip() for line in lines] == ["session differs True", "checkpoint written"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back
+
+
+def test_a_log_line_survives_a_reader_that_has_gone(tmp_path, monkeypatch):
+    """train.py died with BrokenPipeError in a log line when the reader of its stdout had gone; the line reaches the
+    file first, and printing stops quietly."""
+    import sys
+
+    class Gone:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(sys, "stdout", Gone())
+    log = RunLog(tmp_path / "r.txt", enabled=True)
+    log("step one")
+    log("step two")
+    log.final({"val_bpb": 1.0})
+    assert (tmp_path / "r.txt").read_text() == 'step one\nstep two\nfinal {"val_bpb": 1.0}\n'

@@ -382,7 +382,7 @@ def copied_logs(tiny_seed_runs, folder: Path, edit=lambda seed, text: text) -> l
 
 
 def no_run(monkeypatch):
-    monkeypatch.setattr(reproduce, "run_seed", lambda run: pytest.fail(f"seed {run.seed} ran"))
+    monkeypatch.setattr(reproduce, "run_seed", lambda run, signals=None: pytest.fail(f"seed {run.seed} ran"))
 
 
 def test_an_existing_log_is_refused_without_reuse(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
@@ -401,7 +401,7 @@ def test_reuse_reads_finished_seeds_back_and_runs_only_the_others(tiny_seed_runs
     ran = []
     log8 = parse_log(tiny_seed_runs.logs[1])
 
-    def fake_run(run):  # a third seed, run now: stands in for train.py
+    def fake_run(run, signals=None):  # a third seed, run now: stands in for train.py
         ran.append(run.seed)
         run.returncode, run.final = 0, dict(log8.final, run_id=run.run_id, val_bpb=log8.final["val_bpb"] + 0.01)
         run.versions, run.world_size, run.code = log8.versions, 1, log8.code
@@ -436,7 +436,7 @@ def test_a_comparison_that_cannot_be_made_writes_no_submission(tiny_seed_runs, d
         reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
                                  overrides=["eval.max_tokens=1000"]))
 
-    def failed(run):
+    def failed(run, signals=None):
         run.returncode = 1
         return run
     monkeypatch.setattr(reproduce, "run_seed", failed)
@@ -510,7 +510,7 @@ def test_an_unfinished_log_is_refused_unless_the_run_resumes(tiny_seed_runs, dem
     ran = []
     log7 = parse_log(tiny_seed_runs.logs[0])
 
-    def fake_resume(run):
+    def fake_resume(run, signals=None):
         ran.append((run.seed, "train.resume=latest" in run.command))
         run.returncode, run.final, run.versions, run.code = 0, dict(log7.final, run_id=run.run_id), log7.versions, log7.code
         return run

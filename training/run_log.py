@@ -79,8 +79,18 @@ class RunLog:
     def __call__(self, msg: str) -> None:
         if not self.enabled:
             return
-        print(msg, flush=True)
-        self._file.write(msg + "\n")
+        self._file.write(msg + "\n")  # the file first: the terminal or pipe may be gone
+        self._echo(msg)
+
+    def _echo(self, line: str) -> None:
+        """Print to stdout unless it has gone: a reader that died (Ctrl-C on scripts.reproduce closes the pipe) must
+        not kill the run in a log line, before it could checkpoint; the file keeps every line."""
+        if sys.stdout is None:
+            return
+        try:
+            print(line, flush=True)
+        except (BrokenPipeError, ValueError, OSError):
+            sys.stdout = None  # (ValueError: a closed stream) once gone, never tried again
 
     def record(self, kind: str, **fields: Any) -> None:
         """A machine-readable line `<kind> {json}` (the plotting and reproduce scripts parse these)."""
@@ -99,8 +109,7 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.summary.update({k: v for k, v in result.items() if isinstance(v, (int, float, str))})
             self.wandb.finish()
-        sys.stdout.flush()
-        print(line, flush=True)
+        self._echo(line)
 
 
 def maybe_wandb(enabled: bool, project: str, run_id: str, config: dict) -> Any:
