@@ -162,7 +162,7 @@ def find_checkpoint(cfg: Config, dist, ckpt_dir: Path) -> tuple[Checkpointer, Pa
     checkpointer, chosen, failure = None, None, None
     try:
         checkpointer = Checkpointer(ckpt_dir, cfg.train.checkpoint_every, cfg.train.checkpoint_keep, dist.rank,
-                                    dist.world_size)  # rank 0 repairs the folder
+                                    dist.world_size, to_dict(cfg))  # rank 0 repairs the folder
         if dist.rank == 0:
             chosen = resolve_resume(cfg.train.resume, ckpt_dir)
             refuse_later_checkpoints(ckpt_dir, checkpoint_step(chosen) if chosen is not None else 0)
@@ -213,7 +213,7 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
     if cfg.train.resume == "latest" and resume_from is None:  # said, so that a misspelt run_id is noticed
         log(f"train.resume=latest: no checkpoint in {ckpt_dir}, so the run starts at step 0")
     ema = maybe_ema(model, cfg.optim)
-    start = resume(resume_from, model, optimizers, ema, loader, dist, log)
+    start = resume(resume_from, model, optimizers, ema, loader, dist, log, to_dict(cfg))
     # the reserve is for calibration on training tokens, which the rules count in the budget; generated text is not
     reserve = cfg.quant.calib_reserve_s if cfg.quant.calib_source == "train" else 0.0
     budget = cfg.train.time_budget_s - reserve if cfg.train.time_budget_s else 0.0
@@ -266,13 +266,13 @@ class StopRequested(Exception):
         self.phase = phase
 
 
-def resume(resume_from: Path | None, model, optimizers, ema, loader, dist, log) -> Resumed:
+def resume(resume_from: Path | None, model, optimizers, ema, loader, dist, log, run_config: dict) -> Resumed:
     """Load the checkpoint chosen by find_checkpoint (the same on every rank), or start at step 0."""
     if resume_from is None:
         return Resumed(step=0, train_time_s=0.0)
     start, failure = None, None
     try:
-        start = load_checkpoint(resume_from, model, optimizers, ema, loader, dist.rank, dist.world_size)
+        start = load_checkpoint(resume_from, model, optimizers, ema, loader, dist.rank, dist.world_size, run_config)
     except Exception as e:  # a damaged part of one rank, say
         failure = e
     fail_together(failure, f"to load its part of {resume_from}")

@@ -342,3 +342,42 @@ def test_a_second_signal_is_not_deferred(tmp_path):
         assert signal.getsignal(signal.SIGINT) is before
     finally:
         ck.restore_signal_handlers()
+
+
+def test_a_resume_with_settings_of_another_trajectory_is_refused_in_one_line(corpus, tmp_path):
+    """Found by a walkthrough: resuming with another model gave a 40-line load_state_dict traceback, and with another
+    schedule or budget it went on silently under the new one. The checkpoint now holds the run's config; the keys
+    its trajectory depends on must agree, while implementation switches (model.mhc_kernels ...) may change."""
+    import train
+    from training.checkpoint import CheckpointError
+    base = in_process(corpus, tmp_path, "traj", "train.checkpoint_every=5", "eval.pre_quant=false")
+    train.main(base)
+    for override, says in (("model.n_layers=3", "model.n_layers: checkpoint 2, this run 3"),
+                           ("train.schedule=time", "train.schedule: checkpoint 'steps', this run 'time'"),
+                           ("train.seed=5", "train.seed: checkpoint 1337, this run 5")):
+        extra = [override, "train.time_budget_s=60"] if "schedule" in override else [override]
+        with pytest.raises(CheckpointError, match=rf"step_00000014: written by a run of other settings \({says}.*"
+                                                  r"\(hint: resume with the run's own command"):
+            train.main([*base, *extra, "train.resume=latest"])
+    assert train.main([*base, "model.mhc_kernels=true", "train.resume=latest"])["steps"] == 14  # a switch: same run
+
+
+def test_a_checkpoint_without_its_config_and_another_model_is_one_error(tmp_path):
+    """Checkpoints from before the config was saved: another model is named, not a load_state_dict traceback."""
+    import torch
+    from model.gpt import GPT
+    from training.checkpoint import CheckpointError, Checkpointer, load_checkpoint
+    from training.config import load_config
+    from training.optim import build_optimizers
+
+    def model_of(layers):
+        cfg = load_config(None, [f"model.n_layers={layers}", "model.d_model=32", "model.n_heads=2",
+                                 "model.n_kv_heads=1", "model.vocab_size=64"])
+        model = GPT(cfg.model)
+        return model, build_optimizers(model.param_groups(), cfg.optim)
+    model, opts = model_of(1)
+    path = Checkpointer(tmp_path, every_steps=1, keep=1, rank=0, world_size=1).save(3, 1.0, model, opts, None, Cursor())
+    other, other_opts = model_of(2)
+    with pytest.raises(CheckpointError, match=r"step_00000003: its weights do not fit this run's model \(Error"):
+        load_checkpoint(path, other, other_opts, None, Cursor(), rank=0, world_size=1)
+    assert "config" not in torch.load(path / "rank0.pt", weights_only=True)

@@ -83,11 +83,31 @@ def resolve_resume(resume: str, ckpt_dir: Path) -> Path | None:
     return path
 
 
-class Checkpointer:
-    """Saves every `every_steps` steps and when SIGTERM/SIGINT arrives (at the next step boundary)."""
+# What a run's trajectory depends on, beside the optimizer settings that load_checkpoint compares anyway: resumed
+# with another value, a checkpoint would continue another run (the implementation switches model.attention,
+# model.mhc_kernels and model.mlp_kernel compute the same function and may change).
+TRAJECTORY = ("model.", "optim.", "data.seq_len", "data.shards_per_batch", "train.seed", "train.batch_tokens",
+              "train.max_steps", "train.time_budget_s", "train.schedule", "quant.calib_reserve_s", "quant.calib_source")
+SWITCHES = ("model.attention", "model.mhc_kernels", "model.mlp_kernel")
 
-    def __init__(self, ckpt_dir: Path, every_steps: int, keep: int, rank: int, world_size: int):
-        self.dir, self.every, self.keep = ckpt_dir, every_steps, keep
+
+def trajectory_differences(saved: dict, mine: dict) -> list[str]:
+    """`key: checkpoint X, this run Y` for the trajectory keys where two resolved configs (to_dict form) differ."""
+    def flat(config: dict) -> dict:
+        return {f"{section}.{key}": value for section, values in config.items() if isinstance(values, dict)
+                for key, value in values.items()}
+    a, b = flat(saved), flat(mine)
+    return [f"{key}: checkpoint {a.get(key)!r}, this run {b.get(key)!r}" for key in sorted(set(a) | set(b))
+            if key.startswith(TRAJECTORY) and key not in SWITCHES and a.get(key) != b.get(key)]
+
+
+class Checkpointer:
+    """Saves every `every_steps` steps and when SIGTERM/SIGINT arrives (at the next step boundary). run_config (the
+    resolved config, to_dict form) goes into each checkpoint, for load_checkpoint to compare."""
+
+    def __init__(self, ckpt_dir: Path, every_steps: int, keep: int, rank: int, world_size: int,
+                 run_config: dict | None = None):
+        self.dir, self.every, self.keep, self.run_config = ckpt_dir, every_steps, keep, run_config
         self.rank, self.world = rank, world_size
         self.stop_requested = False
         self._previous_handlers = {}
@@ -154,6 +174,8 @@ class Checkpointer:
             state["rng_cuda"] = torch.cuda.get_rng_state()
         if self.rank == 0:  # replicated state: once is enough
             state["model"] = model.state_dict()
+            if self.run_config is not None:
+                state["config"] = self.run_config
             if ema is not None:
                 state["ema"] = ema.state_dict()
         part = tmp / f"rank{self.rank}.pt"
@@ -199,8 +221,10 @@ def optimizer_settings(optimizers) -> dict[tuple[str, str], object]:
             if key not in ("params", "lr", "momentum", "fused", "foreach", "capturable", "differentiable")}
 
 
-def load_checkpoint(path: Path, model, optimizers, ema, loader, rank: int, world_size: int) -> Resumed:
-    """Restore everything `Checkpointer.save` wrote; the world size must match (Muon's shards)."""
+def load_checkpoint(path: Path, model, optimizers, ema, loader, rank: int, world_size: int,
+                    run_config: dict | None = None) -> Resumed:
+    """Restore everything `Checkpointer.save` wrote; the world size must match (Muon's shards), and with run_config
+    the settings the run's trajectory depends on (TRAJECTORY; checkpoints from before they were saved skip this)."""
     if not (path / f"rank{rank}.pt").exists():  # more ranks now than wrote it: say so, not "no such file"
         written = len(list(path.glob("rank*.pt")))
         raise CheckpointError(f"{path}: written by {written} rank(s), resuming on {world_size}: it has no rank{rank}.pt "
@@ -210,7 +234,17 @@ def load_checkpoint(path: Path, model, optimizers, ema, loader, rank: int, world
         raise CheckpointError(f"{path}: written by {own['world_size']} rank(s), resuming on {world_size} "
                          "(hint: resume with the same --nproc_per_node)")
     shared = own if rank == 0 else torch.load(path / "rank0.pt", map_location="cpu", weights_only=True)
-    model.load_state_dict(shared["model"])
+    if run_config is not None and isinstance(shared.get("config"), dict):
+        differences = trajectory_differences(shared["config"], run_config)
+        if differences:
+            raise CheckpointError(f"{path}: written by a run of other settings ({'; '.join(differences[:3])}"
+                                  f"{'; …' if len(differences) > 3 else ''}) (hint: resume with the run's own command "
+                                  "and overrides plus train.resume=latest; a checkpoint continues the run it belongs to)")
+    try:
+        model.load_state_dict(shared["model"])
+    except RuntimeError as e:  # a checkpoint from before configs were saved, of another model
+        raise CheckpointError(f"{path}: its weights do not fit this run's model ({str(e).splitlines()[0]}) (hint: "
+                              "resume with the run's own model.* settings)") from None
 
     def settings() -> dict[tuple[str, str], object]:
         ema_setting = {("ema", "decay, warmup_steps"): (ema.decay, ema.warmup_steps)} if ema is not None else {}
