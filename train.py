@@ -25,7 +25,7 @@ import torch
 import torch.distributed
 
 from data.loader import TokenLoader, load_tokens
-from data.shards import ShardError, list_shards, require_disjoint
+from data.shards import ShardError, list_shards, require_disjoint, require_tokenizer
 from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256, load_sp
 from model.gpt import GPT
 from quant.container import ArtifactError, CodecUnavailable, require_codec
@@ -188,6 +188,7 @@ def load_validation(cfg: Config, train_files: list[str], rank: int) -> Validatio
     accounting audited on rank 0, and the source entropy of the demo corpus."""
     val_files = list_shards(cfg.data.val_files)
     require_disjoint(train_files, val_files)
+    require_tokenizer(train_files + val_files, file_sha256(cfg.data.tokenizer), cfg.data.tokenizer)
     val_tokens = load_tokens(val_files, cfg.eval.max_tokens)
     if len(val_tokens) and int(val_tokens.max()) >= cfg.model.vocab_size:
         raise ShardError(f"{cfg.data.val_files}: token id {int(val_tokens.max())} is outside the model's vocabulary "

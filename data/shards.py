@@ -128,6 +128,21 @@ def require_downloaded(marker: str, folder: str, name_pattern: str) -> None:
                          f"would read part of the set (hint: run `{command}` again: it resumes)")
 
 
+def require_tokenizer(files: list[str], tokenizer_sha256: str, tokenizer: str) -> None:
+    """Shards whose folder holds a manifest.json (data.prepare's, data.demo's) naming another tokenizer are refused:
+    their ids would be decoded, and their bytes counted, by the wrong one, and the byte audit cannot see it."""
+    for folder in sorted({os.path.dirname(f) for f in files}):
+        try:
+            with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as f:
+                recorded = json.load(f).get("tokenizer_sha256")
+        except (OSError, ValueError, AttributeError):  # none, or not a manifest of ours
+            continue
+        if recorded and recorded != tokenizer_sha256:
+            raise ShardError(f"{folder or '.'}: its manifest.json says these shards were made with another tokenizer "
+                             f"(sha256 {str(recorded)[:12]}…) than {tokenizer} ({tokenizer_sha256[:12]}…) (hint: "
+                             "the tokenizer the folder was prepared with, usually the one inside it)")
+
+
 def require_disjoint(train_files: list[str], val_files: list[str]) -> None:
     """ShardError when a training shard is a validation shard: the same file under any name (a symlink or hard
     link included), or an identical copy. A score on text the model trained on is no validation score, and GPTQ

@@ -22,7 +22,7 @@ if str(REPO) not in sys.path:  # `python scripts/evaluate.py` as well as `python
     sys.path.insert(0, str(REPO))
 
 from data.loader import load_tokens  # noqa: E402
-from data.shards import ShardError, list_shards  # noqa: E402
+from data.shards import ShardError, list_shards, require_tokenizer  # noqa: E402
 from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256, load_sp  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.gpt import GPT  # noqa: E402
@@ -195,6 +195,7 @@ def score(a: argparse.Namespace, p: argparse.ArgumentParser, device: torch.devic
         p.error(f"{e} (hint: from --context/--stride/--max-tokens/--batch-seqs, else recorded in {a.artifact})")
     sha = file_sha256(a.tokenizer)
     require_same_tokenizer(Path(a.artifact), meta, sha)
+    require_tokenizer(shards, sha, a.tokenizer)
     tokens = load_tokens(shards, eval_cfg.max_tokens)
     lut = build_byte_lut(sp)
     vocab = min(len(lut.base_bytes), model.cfg.vocab_size)

@@ -44,7 +44,9 @@ from training.run_log import git_commit  # noqa: E402
 from training.sources import (collect_modules, imported_names, module_sources,  # noqa: E402
                               sources_digest)
 
-PER_RUN_KEYS = ("train.seed", "train.run_id", "train.resume")  # may differ between the runs of one record
+# May differ between the runs of one record: the seed, and where each machine kept its data (the record's config
+# takes the first run's paths, and its README says to pass your own).
+PER_RUN_KEYS = ("train.seed", "train.run_id", "train.resume", "data.train_files", "data.val_files", "data.tokenizer")
 RECORD_PATHS = {"train.run_id": "", "train.resume": "", "train.log_dir": "logs", "train.out_dir": "runs"}
 
 

@@ -159,8 +159,11 @@ def run_seed(run: SeedRun, signals: list[int] | None = None) -> SeedRun:
 
 # Where a run's files go and how often it reports: two runs of one config may differ here (another
 # machine's folders, a resumed run) and still compute the same thing.
+# Data paths too: the same shards sit at other paths on other machines (what the runs scored is compared instead:
+# the validation tokens and bytes of every seed).
 RUN_ONLY_KEYS = ("train.resume", "train.log_dir", "train.out_dir", "train.log_every", "train.checkpoint_every",
-                 "train.checkpoint_keep", "train.wandb", "train.wandb_project", "train.device")
+                 "train.checkpoint_keep", "train.wandb", "train.wandb_project", "train.device",
+                 "data.train_files", "data.val_files", "data.tokenizer")
 
 
 def flat_config(config: dict) -> dict[str, object]:

@@ -326,7 +326,7 @@ def test_a_signal_after_training_keeps_the_trained_state_and_resume_scores_it(co
         assert resumed[key] == straight_record[key], key
 
 
-def test_a_second_signal_is_not_deferred(tmp_path):
+def test_a_second_signal_is_not_deferred(tmp_path, capfd):
     """The first SIGINT asks for a stop at the next safe point; a second one reaches the previous handler at once
     (Ctrl-C twice interrupts a long scoring pass), and the handlers are given back."""
     from training.checkpoint import Checkpointer
@@ -336,6 +336,7 @@ def test_a_second_signal_is_not_deferred(tmp_path):
     try:
         os.kill(os.getpid(), signal.SIGINT)
         assert ck.stop_requested
+        assert "stop requested: the run checkpoints at its next step" in capfd.readouterr().err  # said at once
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(1)  # the handler runs at the next bytecode boundary of the main thread

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY_SEEDS, tiny_run_overrides
-from scripts import reproduce
+from scripts import export_record, reproduce
 from scripts.record_rule import ComparisonError, Scored, read_baseline, significance
 from scripts.reproduce import SeedResult, SeedRun, build_submission
 from scripts.runlog import parse_log
@@ -559,3 +559,18 @@ def test_seeds_scored_on_other_validation_text_make_no_submission(tiny_seed_runs
     assert "the seeds scored different validation data" in err
     assert "(hint: run every seed on the same validation shards and tokenizer)" in err and "--baseline" not in err
     assert not (tmp_path / "sub" / "submission.json").exists()
+
+
+def test_reuse_counts_seeds_whose_data_sat_at_other_paths(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
+    """Found by a walkthrough: seeds run on another machine, where the same shards sit at another path, were refused
+    as runs of another config, against the README's several-machines recipe. What they scored is compared instead."""
+    no_run(monkeypatch)
+
+    def elsewhere(seed, text):
+        return text.replace(str(demo_dir), "/mnt/other/machine/demo") if seed == TINY_SEEDS[0] else text
+    logs = copied_logs(tiny_seed_runs, tmp_path / "logs", elsewhere)
+    assert "/mnt/other/machine/demo" in (tmp_path / "logs" / tiny_seed_runs.logs[0].name).read_text()
+    assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
+                                    overrides=logs)) == 0
+    export_record.main(["--runs", *(str(tmp_path / "logs" / p.name) for p in tiny_seed_runs.logs),
+                        "--out", str(tmp_path / "rec")])

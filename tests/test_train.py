@@ -463,3 +463,25 @@ def test_periodic_eval_self_generated_calibration_and_compile(demo_dir, tmp_path
     assert [e["step"] for e in periodic] == [3, 6]
     assert any("compile_warmup" in line for line in log)
     assert final["calib_source"] == "generated" and final["fits_cap"]
+
+
+def test_shards_made_with_another_tokenizer_are_refused_at_setup(demo_dir, tmp_path):
+    """Found by a walkthrough: validation shards of another demo corpus (another tokenizer) were scored with no word:
+    the byte audit decodes with the tokenizer it is given, so it agreed with itself. The shard folder's manifest
+    names its tokenizer."""
+    import train
+    from data.demo import make_demo
+    from scripts import evaluate
+    other = tmp_path / "other"
+    make_demo(other, seed=5, train_docs=300, val_docs=10)
+    args = ["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
+            f"data.val_files={other}/fineweb_val_*.bin"]
+    with pytest.raises(ShardError, match=rf"{other}: its manifest.json says these shards were made with another "
+                                         r"tokenizer .*\(hint: the tokenizer the folder was prepared with"):
+        train.main(args)
+    artifact = tmp_path / "a.mhcg"  # scripts.evaluate checks the same (after the artifact's own tokenizer check)
+    train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path), "train.max_steps=1",
+                "eval.max_tokens=200", "eval.pre_quant=false", f"train.out_dir={tmp_path}", "train.run_id=a"])
+    with pytest.raises(SystemExit, match="its manifest.json says these shards were made with another tokenizer"):
+        evaluate.main(["--artifact", str(artifact), "--val", str(other), "--tokenizer",
+                       str(demo_dir / "tokenizer.model"), "--device", "cpu"])

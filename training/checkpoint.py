@@ -133,6 +133,9 @@ class Checkpointer:
         def request_stop(signum, frame):
             if not self.stop_requested:
                 self.stop_requested = True
+                if self.rank == 0:  # os.write: no buffered stream to re-enter from a handler
+                    os.write(2, b"stop requested: the run checkpoints at its next step (or between scoring phases) "
+                                b"and exits; a second signal stops it at once, without a checkpoint\n")
                 return
             self.restore_signal_handlers()
             signal.raise_signal(signum)
