@@ -30,8 +30,8 @@ from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256,
 from model.gpt import GPT
 from quant.container import ArtifactError, CodecUnavailable, require_codec
 from scripts.evaluate import evaluate_artifact
-from training.checkpoint import (CheckpointError, Checkpointer, Resumed, checkpoint_step, load_checkpoint,
-                                 refuse_later_checkpoints, resolve_resume)
+from training.checkpoint import (CheckpointError, Checkpointer, Resumed, checkpoint_step, keep_trained_state,
+                                 load_checkpoint, refuse_later_checkpoints, resolve_resume)
 from training.config import Config, ConfigError, load_config, to_dict
 from training.distributed import (RankAgreement, RankFailed, destroy, fail_together, init_distributed,
                                   require_same_on_every_rank)
@@ -243,7 +243,8 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
             destroy()
             raise SystemExit(143)
         log(f"phase training {result.train_time_s:.1f} s, {result.steps} steps, stopped by {result.stopped_by}")
-        kept, made = keep_trained_state(checkpointer, result, model, optimizers, ema, loader, dist, log)
+        kept, made = keep_trained_state(checkpointer, result.steps, result.train_time_s, model, optimizers, ema,
+                                        loader, dist.world_size, log)
         try:
             final = ship(cfg, dist, model, ema, loader.files, result, val, n_params, evaluate, checkpointer, log)
         except StopRequested as stop:
@@ -253,6 +254,8 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
             raise SystemExit(143) from None
         if made and dist.rank == 0:  # kept only while the run was scored (train.checkpoint_every=0)
             shutil.rmtree(kept, ignore_errors=True)
+            if not any(kept.parent.iterdir()):  # and the run's folder, if that was all it held
+                kept.parent.rmdir()
         return final
     finally:
         checkpointer.restore_signal_handlers()
@@ -339,23 +342,6 @@ def ship(cfg: Config, dist, model, ema, train_files: list[str], result, val: Val
                          f"{final['total_bytes'] - cfg.quant.cap_bytes:,} (hint: lower quant.margin_bytes is not "
                          "the fix; shrink the model or use more int5)")
     return final
-
-
-def keep_trained_state(checkpointer: Checkpointer, result, model, optimizers, ema, loader, dist,
-                       log) -> tuple[Path, bool]:
-    """Before scoring: the trained state (live weights, EMA, optimizers, loader) as a checkpoint, so that a stop
-    signal while the run is scored or exported loses no training; train.resume=latest then scores it with no step.
-    Written before, not on the signal: under torchrun (or Slurm) SIGKILL follows SIGTERM within 30 s, and several
-    ranks can only stop between phases that take minutes. Returns (its folder, whether it was written now: not when
-    train.checkpoint_every > 0 wrote it, or the run resumed from it)."""
-    path = checkpointer.dir / f"step_{result.steps:08d}"
-    if not RankAgreement(dist.world_size)(0.0, not checkpointer.has(result.steps))[1]:
-        return path, False
-    t0 = time.perf_counter()
-    checkpointer.save(result.steps, result.train_time_s, model, optimizers, ema, loader)
-    log(f"checkpoint {path} (step {result.steps}, {time.perf_counter() - t0:.1f} s): the trained state, kept while "
-        "the run is scored")
-    return path, True
 
 
 def source_entropy(cfg: Config) -> float | None:

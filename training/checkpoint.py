@@ -14,12 +14,13 @@ import os
 import re
 import shutil
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from training.distributed import fail_together
+from training.distributed import RankAgreement, fail_together
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -272,3 +273,20 @@ def load_checkpoint(path: Path, model, optimizers, ema, loader, rank: int, world
     if "rng_cuda" in own and torch.cuda.is_available():
         torch.cuda.set_rng_state(own["rng_cuda"])
     return Resumed(step=int(own["step"]), train_time_s=float(own["train_time_s"]))
+
+
+def keep_trained_state(checkpointer: Checkpointer, step: int, train_time_s: float, model, optimizers, ema, loader,
+                       world_size: int, log) -> tuple[Path, bool]:
+    """Before scoring: the trained state (live weights, EMA, optimizers, loader) as a checkpoint, so that a stop
+    signal while the run is scored or exported loses no training; train.resume=latest then scores it with no step.
+    Written before, not on the signal: under torchrun (or Slurm) SIGKILL follows SIGTERM within 30 s, and several
+    ranks can only stop between phases that take minutes. Returns (its folder, whether it was written now: not when
+    train.checkpoint_every > 0 wrote it, or the run resumed from it)."""
+    path = checkpointer.dir / f"step_{step:08d}"
+    if not RankAgreement(world_size)(0.0, not checkpointer.has(step))[1]:  # the ranks agree, as save() needs them to
+        return path, False
+    t0 = time.perf_counter()
+    checkpointer.save(step, train_time_s, model, optimizers, ema, loader)
+    log(f"checkpoint {path} (step {step}, {time.perf_counter() - t0:.1f} s): the trained state, kept while the run "
+        "is scored")
+    return path, True
