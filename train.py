@@ -188,12 +188,12 @@ def load_validation(cfg: Config, train_files: list[str], rank: int) -> Validatio
     accounting audited on rank 0, and the source entropy of the demo corpus."""
     val_files = list_shards(cfg.data.val_files)
     require_disjoint(train_files, val_files)
-    require_tokenizer(train_files + val_files, file_sha256(cfg.data.tokenizer), cfg.data.tokenizer)
     val_tokens = load_tokens(val_files, cfg.eval.max_tokens)
     if len(val_tokens) and int(val_tokens.max()) >= cfg.model.vocab_size:
         raise ShardError(f"{cfg.data.val_files}: token id {int(val_tokens.max())} is outside the model's vocabulary "
                          f"of {cfg.model.vocab_size} (hint: validation shards made with another tokenizer)")
-    lut = build_byte_lut(cfg.data.tokenizer)
+    lut = build_byte_lut(cfg.data.tokenizer)  # a missing or unusable tokenizer is named here
+    require_tokenizer(train_files + val_files, file_sha256(cfg.data.tokenizer), cfg.data.tokenizer)
     if len(lut.base_bytes) != cfg.model.vocab_size:
         raise ConfigError(f"{cfg.data.tokenizer} has {len(lut.base_bytes)} ids but model.vocab_size="
                           f"{cfg.model.vocab_size} (hint: set model.vocab_size={len(lut.base_bytes)})")
