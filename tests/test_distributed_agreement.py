@@ -75,6 +75,10 @@ class LateSignal(RankAgreement):
         return agreed
 
 
+# The same failure paths over NCCL where two GPUs are visible (the default is gloo on CPU).
+TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
+
+
 def join_env(rank: int, world: int, port: int) -> None:
     """The environment torchrun gives a worker."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
@@ -180,10 +184,11 @@ class WandbWithoutNetwork:
         raise ConnectionError("could not reach api.wandb.ai")
 
 
-def demo_argv(data: str, out_dir: str, run_id: str) -> list[str]:
-    """train.py's arguments for the demo config on CPU, on the corpus in `data`, writing under `out_dir`."""
+def demo_argv(data: str, out_dir: str, run_id: str, device: str = "cpu") -> list[str]:
+    """train.py's arguments for the demo config (gloo on cpu, NCCL on cuda), on the corpus in `data`, writing under
+    `out_dir`."""
     repo = Path(__file__).resolve().parents[1]
-    return ["--config", str(repo / "configs/demo.toml"), "train.device=cpu", "train.micro_batch_seqs=16",
+    return ["--config", str(repo / "configs/demo.toml"), f"train.device={device}", "train.micro_batch_seqs=16",
             f"data.train_files={data}/fineweb_train_*.bin", f"data.val_files={data}/fineweb_val_*.bin",
             f"data.tokenizer={data}/tokenizer.model", f"train.log_dir={out_dir}/logs", f"train.out_dir={out_dir}/runs",
             f"train.run_id={run_id}"]
@@ -193,7 +198,7 @@ TINY_STEPS = ["train.max_steps=4", "train.time_budget_s=0", "train.schedule=step
               "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1"]
 
 
-def setup_worker(rank: int, world: int, port: int, data: str, out_dir: str, fault: str) -> None:
+def setup_worker(rank: int, world: int, port: int, data: str, out_dir: str, fault: str, device: str = "cpu") -> None:
     """train.main on one of two ranks, with a step that rank 0 alone runs made to fail: the validation byte audit
     (fault="audit") or wandb.init (fault="wandb")."""
     torch.set_num_threads(1)
@@ -202,7 +207,7 @@ def setup_worker(rank: int, world: int, port: int, data: str, out_dir: str, faul
 
     import train
     import training.evaluate
-    argv = demo_argv(data, out_dir, "setup")
+    argv = demo_argv(data, out_dir, "setup", device)
     if fault == "audit":
         training.evaluate.audit_bytes = lambda tokens, sp, lut: (1, 2)
     elif fault == "wandb":
@@ -236,11 +241,13 @@ def setup_worker(rank: int, world: int, port: int, data: str, out_dir: str, faul
     ("wandb", "ConfigError: train.wandb=true but wandb.init failed (ConnectionError: could not reach api.wandb.ai) "
               "(hint: WANDB_MODE=offline", "wandb.init"),
 ], ids=["audit", "wandb"])
-def test_a_rank_that_fails_at_setup_stops_every_rank(demo_dir, tmp_path, free_port, fault, rank0_says, step):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=TWO_GPUS)])
+def test_a_rank_that_fails_at_setup_stops_every_rank(demo_dir, tmp_path, free_port, fault, rank0_says, step, device):
     """Rank 0's byte audit (or its wandb.init) fails. Rank 1 used to go on to its first collective and fail there
     once rank 0's process had gone (gloo: "Connection closed by peer ... typically caused by a remote worker
     crashing"), with a run log opened. Both now stop at setup, each with a message, and no run log is left."""
-    ranks = mp.spawn(setup_worker, args=(2, free_port, str(demo_dir), str(tmp_path), fault), nprocs=2, join=False)
+    ranks = mp.spawn(setup_worker, args=(2, free_port, str(demo_dir), str(tmp_path), fault, device), nprocs=2,
+                     join=False)
     join_or_fail(ranks, 120, f"rank 1 did not stop when rank 0 failed {step}")
     assert (tmp_path / "setup0.txt").read_text().startswith(rank0_says)
     assert (tmp_path / "setup1.txt").read_text() == \
@@ -269,7 +276,8 @@ def test_a_nan_loss_on_one_ranks_share_stops_every_rank_named(demo_dir, tmp_path
         assert (tmp_path / f"setup{rank}.txt").read_text().startswith("DivergenceError: loss is nan at step 2 ")
 
 
-def scoring_stop_worker(rank: int, world: int, port: int, data: str, out_dir: str, resume: bool) -> None:
+def scoring_stop_worker(rank: int, world: int, port: int, data: str, out_dir: str, resume: bool,
+                        device: str = "cpu") -> None:
     """train.main on one of two ranks; unless resuming, rank 1 alone gets SIGTERM as its pre-quant evaluation ends."""
     torch.set_num_threads(1)
     join_env(rank, world, port)
@@ -277,7 +285,7 @@ def scoring_stop_worker(rank: int, world: int, port: int, data: str, out_dir: st
     import signal
 
     import train
-    argv = [*demo_argv(data, out_dir, "cut"), *TINY_STEPS, "eval.max_tokens=2000", "quant.method=rtn",
+    argv = [*demo_argv(data, out_dir, "cut", device), *TINY_STEPS, "eval.max_tokens=2000", "quant.method=rtn",
             "quant.calib_seqs=2", *(["train.resume=latest"] if resume else [])]
     real = train.evaluate_bpb
 
@@ -297,10 +305,12 @@ def scoring_stop_worker(rank: int, world: int, port: int, data: str, out_dir: st
     Path(out_dir, f"{'resume' if resume else 'cut'}{rank}.txt").write_text(outcome)
 
 
-def test_a_signal_on_one_rank_while_the_run_is_scored_stops_both_and_resume_scores_it(demo_dir, tmp_path, free_port):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=TWO_GPUS)])
+def test_a_signal_on_one_rank_while_the_run_is_scored_stops_both_and_resume_scores_it(demo_dir, tmp_path, free_port,
+                                                                                      device):
     """Several ranks: the trained state is checkpointed (both parts) before scoring, a signal that reaches one rank
     stops both at the next phase (they agree), and train.resume=latest on both scores it without a step."""
-    ranks = mp.spawn(scoring_stop_worker, args=(2, free_port, str(demo_dir), str(tmp_path), False), nprocs=2,
+    ranks = mp.spawn(scoring_stop_worker, args=(2, free_port, str(demo_dir), str(tmp_path), False, device), nprocs=2,
                      join=False)
     join_or_fail(ranks, 240, "a rank did not stop when the other got a signal while the run was scored")
     assert [(tmp_path / f"cut{r}.txt").read_text() for r in range(2)] == ["exit 143", "exit 143"]
@@ -312,7 +322,8 @@ def test_a_signal_on_one_rank_while_the_run_is_scored_stops_both_and_resume_scor
     with socket.socket() as sock:  # a port of its own for the second group
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    ranks = mp.spawn(scoring_stop_worker, args=(2, port, str(demo_dir), str(tmp_path), True), nprocs=2, join=False)
+    ranks = mp.spawn(scoring_stop_worker, args=(2, port, str(demo_dir), str(tmp_path), True, device), nprocs=2,
+                     join=False)
     join_or_fail(ranks, 240, "the resumed ranks did not score the checkpoint")
     assert [(tmp_path / f"resume{r}.txt").read_text() for r in range(2)] == ["final steps 4"] * 2
     assert "the checkpoint's training is finished (step 4" in (tmp_path / "logs" / "cut.txt").read_text()
