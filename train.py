@@ -254,8 +254,10 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
             raise SystemExit(143) from None
         if made and dist.rank == 0:  # kept only while the run was scored (train.checkpoint_every=0)
             shutil.rmtree(kept, ignore_errors=True)
-            if not any(kept.parent.iterdir()):  # and the run's folder, if that was all it held
+            try:  # and the run's folder, if that was all it held (the artifact has shipped: no failure now)
                 kept.parent.rmdir()
+            except OSError:
+                pass
         return final
     finally:
         checkpointer.restore_signal_handlers()
@@ -303,7 +305,9 @@ def ship(cfg: Config, dist, model, ema, train_files: list[str], result, val: Val
     poll = stop_now if dist.world_size == 1 else None
 
     final = {"run_id": run_id, "steps": result.steps, "train_time_s": round(result.train_time_s, 2),
-             "tokens_seen": result.tokens, "params": n_params, "world_size": dist.world_size}
+             "tokens_seen": result.tokens, "params": n_params, "world_size": dist.world_size,
+             # what it trained on, for the seed tools (the paths may differ between machines)
+             "train_shards": len(train_files), "train_shard_bytes": sum(Path(f).stat().st_size for f in train_files)}
     artifact = REPO / cfg.train.out_dir / f"{run_id}.mhcg"
     with ema.swapped_into(model) if ema is not None else nullcontext():  # the EMA weights are what ships
         if cfg.eval.pre_quant:

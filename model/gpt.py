@@ -34,6 +34,9 @@ from model.layers import MLP, Attention, RMSNorm, RotaryTables, Sublayer
 from model.mhc import MHCParams, mhc_ops
 
 
+PHI_SEED_OFFSET = 0x6D6863  # phi's generator: the run's seed plus this ("mhc"), apart from the global stream
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -51,10 +54,12 @@ class GPT(nn.Module):
         self.n_mhc_blocks = (cfg.mhc_blocks or cfg.n_layers) if n > 1 else 0
         if n > 1:
             units = self.n_mhc_blocks * (1 if cfg.mhc_granularity == "block" else 2)
-            # phi's draws come from a fork of the RNG: every other weight then draws what the plain network (and any
-            # other mHC layout) draws under the same seed, so a same-seed comparison of layouts is a paired one
-            with torch.random.fork_rng(devices=[]):
-                self.mhc = nn.ModuleList(MHCParams(n, C, cfg.mhc_alpha_init) for _ in range(units))
+            # phi draws from a generator of its own, seeded from the run's seed: every other weight then draws what
+            # the plain network (and any other mHC layout) draws under the same seed, so a same-seed comparison of
+            # layouts is a paired one. (A fork of the global RNG did that too, but its draws came again right after:
+            # phi was a scaled copy of the first embedding rows.)
+            phi_rng = torch.Generator().manual_seed((torch.initial_seed() + PHI_SEED_OFFSET) % 2 ** 63)
+            self.mhc = nn.ModuleList(MHCParams(n, C, cfg.mhc_alpha_init, phi_rng) for _ in range(units))
             # Σ_i w_i x_i after the last mHC block (for the head, or the plain blocks after mhc_blocks);
             # the mean at init
             self.readout = nn.Parameter(torch.full((n,), 1.0 / n))

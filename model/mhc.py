@@ -28,12 +28,12 @@ class MHCParams(nn.Module):
     same lr is a 2.5% relative step, like the other scalars.
     """
 
-    def __init__(self, n_streams: int, dim: int, alpha_init: float):
+    def __init__(self, n_streams: int, dim: int, alpha_init: float, generator: torch.Generator | None = None):
         super().__init__()
         k = n_streams * dim
         # Drawn [in, out] and transposed: the same values as the earlier [n*C, N] layout had, so runs
         # measured before the change stay comparable seed for seed.
-        self.phi = nn.Parameter(torch.randn(k, mhc_num_coefficients(n_streams)).t().contiguous())
+        self.phi = nn.Parameter(torch.randn(k, mhc_num_coefficients(n_streams), generator=generator).t().contiguous())
         self.phi_scale = 1.0 / math.sqrt(k)
         self.alpha = nn.Parameter(torch.full((3,), float(alpha_init)))
         self.bias = nn.Parameter(mhc_init_bias(n_streams))

@@ -33,8 +33,8 @@ if str(REPO) not in sys.path:  # `python scripts/export_record.py` as well as `p
 
 from data.files import current_umask, write_atomic  # noqa: E402
 from quant.size import CAP_BYTES  # noqa: E402
-from scripts.record_rule import (Scored, check_scored_alike, final_problem, read_baseline,  # noqa: E402
-                                 significance)
+from scripts.record_rule import (Scored, check_scored_alike, check_trained_alike, final_problem,  # noqa: E402
+                                 read_baseline, significance)
 from scripts.reproduce import SeedResult, build_submission  # noqa: E402
 from scripts.runlog import LogFormatError, RunLogData, output_problem, parse_log  # noqa: E402
 from scripts.train_gpt_template import BOOTSTRAP  # noqa: E402
@@ -242,6 +242,7 @@ def check_runs(logs: list[RunLogData], code: str | None) -> list[SeedResult]:
         raise ValueError(f"runs share a seed ({seeds}): a record's runs are independent seeds")
     check_scored_alike([Scored.from_final(r.final, r.seed, str(log.source)) for r, log in zip(results, logs)],
                        "the record's runs")
+    check_trained_alike([r.final for r in results], [str(log.source) for log in logs], "the record's runs")
     return results
 
 

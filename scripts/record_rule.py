@@ -122,6 +122,20 @@ def check_scored_alike(runs: list[Scored], what: str) -> None:
             "the same tokens (hint: the same data.val_files, tokenizer and eval.max_tokens on both sides)")
 
 
+def check_trained_alike(finals: list[dict], sources: list[str], what: str) -> None:
+    """Every run trained on as many shards of as many bytes (final lines from before these were logged: unchecked).
+    The seed tools let data paths differ between machines; this is what stands in for them."""
+    known = [(f.get("train_shards"), f.get("train_shard_bytes"), source) for f, source in zip(finals, sources)
+             if f.get("train_shards") is not None]
+    kinds = {(shards, size) for shards, size, _ in known}
+    if len(kinds) > 1:
+        first = known[0]
+        other = next(k for k in known if k[:2] != first[:2])
+        raise ComparisonError(f"{what} trained on different data: {first[2]} {first[0]} shards of {first[1]:,} bytes, "
+                              f"{other[2]} {other[0]} of {other[1]:,} (hint: the same training shards on every "
+                              "machine, e.g. the same data.download --train-shards)")
+
+
 def significance(candidate: list[Scored], baseline: list[Scored]) -> dict:
     """The record rule's test, and beside it the same test without the margin ("any_improvement"): whether the
     candidate is better at all, which is what comparing two layouts of one's own asks. Refuses runs that cannot be

@@ -26,6 +26,7 @@ import argparse
 import json
 import re
 import shlex
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ if str(REPO) not in sys.path:  # `python scripts/reproduce.py` as well as `pytho
 from data.files import write_atomic  # noqa: E402
 from quant.size import CAP_BYTES  # noqa: E402
 from scripts.record_rule import (RECORD_MARGIN_NATS, ComparisonError, Scored, check_scored_alike,  # noqa: E402
-                                 final_problem, read_baseline, significance)
+                                 check_trained_alike, final_problem, read_baseline, significance)
 from scripts.runlog import (LogFormatError, RunLogData, output_problem, parse_lines, parse_log,  # noqa: E402
                             stream_run)
 from scripts.stats import mean_std  # noqa: E402
@@ -350,9 +351,9 @@ def main(argv=None) -> int:
             run_seed(r, signals)
         if signals:  # the seed checkpointed and stopped: no next seed, and the way back in
             print(f"reproduce: stopped by a signal during seed {r.seed} (exit status {r.returncode}); hint: the same "
-                  "command with --reuse, and train.resume=latest after --, continues it from its checkpoint and runs "
-                  "the other seeds", file=sys.stderr)
-            return 143
+                  "command with --reuse, and train.resume=latest after --, continues it from its checkpoint (a second "
+                  "signal stopped it without one: it then starts over) and runs the other seeds", file=sys.stderr)
+            return 130 if signals[0] == signal.SIGINT else 143
     good = [r for r in runs if r.problem() is None]
     sig, not_compared = None, None
     # what to do when no submission.json is written for a reason other than a failed seed
@@ -363,8 +364,9 @@ def main(argv=None) -> int:
     elif len(good) == len(runs) > 1:  # the mean of runs scored on different text means nothing
         try:
             check_scored_alike([r.scored() for r in good], "the seeds")
+            check_trained_alike([r.final for r in good], [r.run_id for r in good], "the seeds")
         except ComparisonError as e:
-            not_compared, hint = str(e), "run every seed on the same validation shards and tokenizer"
+            not_compared, hint = str(e), "run every seed on the same shards and tokenizer"
     if not_compared:
         pass
     elif baseline is not None and len(good) < len(runs):  # a verdict on the seeds that survived would hide the others

@@ -13,6 +13,7 @@ so nothing of the earlier run is read as its own, and `fresh_runs` counts such r
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -191,21 +192,25 @@ def stream_run(command: list[str], label: str, env: dict | None = None, print_lo
     log line on the closed pipe, and SIGTERM to this process alone left train.py running without a reader."""
     lines: list[str] = []
     lock = print_lock or threading.Lock()
-    forward = signals is not None and threading.current_thread() is threading.main_thread()
+    forward = signals is not None and threading.current_thread() is threading.main_thread() and os.name == "posix"
     with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, bufsize=1, env=env,
                           start_new_session=forward) as proc:
         previous = {}
-        if forward:
+        if forward:  # SIGHUP (a closed terminal, an ssh drop) goes on as SIGTERM: train.py checkpoints on that
             def pass_on(signum, frame):
                 signals.append(signum)
-                proc.send_signal(signum)
-            previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGINT, signal.SIGTERM)}
+                proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
+            previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             for line in proc.stdout:
                 with lock:
                     print(f"[{label}] {line}", end="", flush=True)
                 lines.append(line)
             proc.wait()
+        except BaseException:  # this reader fails (its own stdout gone, say): the run checkpoints and stops, not orphaned
+            if forward and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            raise
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

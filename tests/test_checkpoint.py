@@ -380,6 +380,43 @@ def test_a_checkpoint_without_its_config_and_another_model_is_one_error(tmp_path
     model, opts = model_of(1)
     path = Checkpointer(tmp_path, every_steps=1, keep=1, rank=0, world_size=1).save(3, 1.0, model, opts, None, Cursor())
     other, other_opts = model_of(2)
-    with pytest.raises(CheckpointError, match=r"step_00000003: its weights do not fit this run's model \(Error"):
+    with pytest.raises(CheckpointError, match=r"step_00000003: its weights do not fit this run's model \((Missing "
+                                              r"key|Unexpected key|size mismatch)"):  # what differs, not the header
         load_checkpoint(path, other, other_opts, None, Cursor(), rank=0, world_size=1)
     assert "config" not in torch.load(path / "rank0.pt", weights_only=True)
+
+
+def test_a_config_key_newer_than_the_checkpoint_does_not_refuse_it():
+    """Found by a review: a key on one side only compared as None against its value, so a field added to the config
+    since a checkpoint was written made every older checkpoint unresumable."""
+    from training.checkpoint import trajectory_differences
+    from training.config import Config, to_dict
+    mine = to_dict(Config())
+    older = {section: dict(values) for section, values in mine.items()}
+    del older["model"]["xsa_layers"]
+    assert trajectory_differences(older, mine) == []
+    older["model"]["n_layers"] += 1
+    assert trajectory_differences(older, mine) == [f"model.n_layers: checkpoint {mine['model']['n_layers'] + 1}, "
+                                                   f"this run {mine['model']['n_layers']}"]
+
+
+def test_the_first_signal_with_stderr_gone_still_stops_the_run(tmp_path):
+    """Found by a review: the acknowledgement's os.write raised BrokenPipeError inside the handler when stderr's reader
+    had gone (Ctrl-C on `train.py 2>&1 | tee`), and the run died before it could checkpoint."""
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from training.checkpoint import Checkpointer\n"
+        f"ck = Checkpointer(__import__('pathlib').Path({str(tmp_path)!r}), 0, 1, 0, 1)\n"
+        "ck.install_signal_handlers()\n"
+        "print('ready', flush=True)\n"
+        "while not ck.stop_requested:\n"
+        "    time.sleep(0.01)\n"
+        "print('stopping cleanly', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.stderr.close()  # the reader of stderr has gone
+    proc.send_signal(signal.SIGINT)
+    assert proc.stdout.readline().strip() == "stopping cleanly"
+    assert proc.wait(timeout=30) == 0

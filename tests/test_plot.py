@@ -226,7 +226,8 @@ def test_the_code_digest_is_that_of_every_process_of_the_kept_run():
     assert old.code is None and "unknown digest" in old.describe_code()
 
 
-def test_a_stop_signal_reaches_the_command_once_and_its_output_is_read_to_the_end(tmp_path):
+@pytest.mark.parametrize("sent", ["SIGTERM", "SIGHUP"])  # SIGHUP (a closed terminal) goes on as SIGTERM
+def test_a_stop_signal_reaches_the_command_once_and_its_output_is_read_to_the_end(tmp_path, sent):
     """Found by a walkthrough: Ctrl-C killed scripts.reproduce's reader, and train.py then died in its next log line on
     the closed pipe, losing the seed; SIGTERM to the reader alone left train.py training with nobody reading. The
     reader now passes the signal on (the command runs in a session of its own, so a terminal's Ctrl-C reaches it
@@ -247,9 +248,9 @@ def test_a_stop_signal_reaches_the_command_once_and_its_output_is_read_to_the_en
         f"print('session differs', os.getsid(0) != {os.getsid(0)}, flush=True)\n"
         "time.sleep(60)\n")
     received: list[int] = []
-    threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    threading.Timer(1.0, lambda: os.kill(os.getpid(), getattr(signal, sent))).start()
     code, lines, final = stream_run([sys.executable, str(child)], "c", signals=received)
-    assert code == 143 and received == [signal.SIGTERM] and final is None
+    assert code == 143 and received == [getattr(signal, sent)] and final is None
     assert [line.strip() for line in lines] == ["session differs True", "checkpoint written"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back
 

@@ -557,7 +557,7 @@ def test_seeds_scored_on_other_validation_text_make_no_submission(tiny_seed_runs
                                     overrides=logs)) == 1
     err = capsys.readouterr().err
     assert "the seeds scored different validation data" in err
-    assert "(hint: run every seed on the same validation shards and tokenizer)" in err and "--baseline" not in err
+    assert "(hint: run every seed on the same shards and tokenizer)" in err and "--baseline" not in err
     assert not (tmp_path / "sub" / "submission.json").exists()
 
 
@@ -574,3 +574,27 @@ def test_reuse_counts_seeds_whose_data_sat_at_other_paths(tiny_seed_runs, demo_d
                                     overrides=logs)) == 0
     export_record.main(["--runs", *(str(tmp_path / "logs" / p.name) for p in tiny_seed_runs.logs),
                         "--out", str(tmp_path / "rec")])
+
+
+def test_seeds_trained_on_other_shards_make_no_submission_nor_record(tiny_seed_runs, demo_dir, tmp_path, monkeypatch,
+                                                                     capsys):
+    """Found by a review: with data paths free to differ between machines, a seed trained on 10 shards and one on 80
+    counted as one submission. Each run's final line says how many shards of how many bytes it trained on."""
+    no_run(monkeypatch)
+    assert json.loads(tiny_seed_runs.logs[0].read_text().splitlines()[-1][6:])["train_shards"] >= 1
+
+    def fewer(seed, text):
+        if seed != TINY_SEEDS[1]:
+            return text
+        *lines, last = text.splitlines()
+        final = json.loads(last.removeprefix("final "))
+        final["train_shards"] -= 1
+        final["train_shard_bytes"] -= 1000
+        return "\n".join([*lines, "final " + json.dumps(final)]) + "\n"
+    logs = copied_logs(tiny_seed_runs, tmp_path / "logs", fewer)
+    assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
+                                    overrides=logs)) == 1
+    assert "the seeds trained on different data: " in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="the record's runs trained on different data"):
+        export_record.main(["--runs", *(str(tmp_path / "logs" / p.name) for p in tiny_seed_runs.logs),
+                            "--out", str(tmp_path / "rec")])

@@ -98,8 +98,10 @@ def trajectory_differences(saved: dict, mine: dict) -> list[str]:
         return {f"{section}.{key}": value for section, values in config.items() if isinstance(values, dict)
                 for key, value in values.items()}
     a, b = flat(saved), flat(mine)
-    return [f"{key}: checkpoint {a.get(key)!r}, this run {b.get(key)!r}" for key in sorted(set(a) | set(b))
-            if key.startswith(TRAJECTORY) and key not in SWITCHES and a.get(key) != b.get(key)]
+    # keys on one side only are left out: a field added since the checkpoint was written (its default keeps the old
+    # behaviour) must not make every older checkpoint unresumable
+    return [f"{key}: checkpoint {a[key]!r}, this run {b[key]!r}" for key in sorted(set(a) & set(b))
+            if key.startswith(TRAJECTORY) and key not in SWITCHES and a[key] != b[key]]
 
 
 class Checkpointer:
@@ -135,8 +137,11 @@ class Checkpointer:
             if not self.stop_requested:
                 self.stop_requested = True
                 if self.rank == 0:  # os.write: no buffered stream to re-enter from a handler
-                    os.write(2, b"stop requested: the run checkpoints at its next step (or between scoring phases) "
-                                b"and exits; a second signal stops it at once, without a checkpoint\n")
+                    try:
+                        os.write(2, b"stop requested: the run checkpoints at its next step (or between scoring "
+                                    b"phases) and exits; a second signal stops it at once, without a checkpoint\n")
+                    except OSError:  # stderr's reader has gone (Ctrl-C on `... | tee`): the stop still happens
+                        pass
                 return
             self.restore_signal_handlers()
             signal.raise_signal(signum)
@@ -247,8 +252,9 @@ def load_checkpoint(path: Path, model, optimizers, ema, loader, rank: int, world
     try:
         model.load_state_dict(shared["model"])
     except RuntimeError as e:  # a checkpoint from before configs were saved, of another model
-        raise CheckpointError(f"{path}: its weights do not fit this run's model ({str(e).splitlines()[0]}) (hint: "
-                              "resume with the run's own model.* settings)") from None
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        raise CheckpointError(f"{path}: its weights do not fit this run's model ({lines[min(1, len(lines) - 1)]}) "
+                              "(hint: resume with the run's own model.* settings)") from None
 
     def settings() -> dict[tuple[str, str], object]:
         ema_setting = {("ema", "decay, warmup_steps"): (ema.decay, ema.warmup_steps)} if ema is not None else {}

@@ -5,7 +5,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -72,6 +71,7 @@ class RunLog:
     def __init__(self, path: Path, enabled: bool, wandb_run: Any = None):
         self.path, self.enabled, self.wandb = path, enabled, wandb_run
         self.start = time.time()
+        self._stdout_gone = False
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a", buffering=1)
@@ -85,12 +85,12 @@ class RunLog:
     def _echo(self, line: str) -> None:
         """Print to stdout unless it has gone: a reader that died (Ctrl-C on scripts.reproduce closes the pipe) must
         not kill the run in a log line, before it could checkpoint; the file keeps every line."""
-        if sys.stdout is None:
+        if self._stdout_gone:
             return
         try:
             print(line, flush=True)
-        except (BrokenPipeError, ValueError, OSError):
-            sys.stdout = None  # (ValueError: a closed stream) once gone, never tried again
+        except (ValueError, OSError):  # BrokenPipeError; ValueError: a closed stream
+            self._stdout_gone = True  # once gone, never tried again
 
     def record(self, kind: str, **fields: Any) -> None:
         """A machine-readable line `<kind> {json}` (the plotting and reproduce scripts parse these)."""
