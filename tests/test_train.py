@@ -135,7 +135,9 @@ def test_a_reused_run_id_and_a_run_ending_inside_warmup_are_said(demo_dir, tmp_p
     monkeypatch.setattr(training.evaluate, "PROGRESS_EVERY_S", 0.0)
     args = ["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path), "train.max_steps=2"]
     train.main(args)
-    assert "already holds a run" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "already holds a run" not in out
+    assert "WARNING train.max_steps ended the run at step 2, inside the 5-step learning-rate warmup" in out  # review
     train.main(args[:-1] + ["train.max_steps=100000", "train.time_budget_s=3", "quant.calib_reserve_s=1",
                             "train.schedule=time", "optim.warmup_steps=100000"])
     out = capsys.readouterr().out

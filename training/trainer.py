@@ -142,10 +142,13 @@ def run_training(
             if stop:  # a signal that reached any rank stops them all at this step
                 stopped_by = "signal"
                 break
-    if stopped_by == "time_budget" and completed < cfg.optim.warmup_steps:
-        log(f"WARNING the time budget ended the run at step {completed}, inside the {cfg.optim.warmup_steps}-step "
-            "learning-rate warmup: the score says little about the recipe (hint: a longer train.time_budget_s; on a "
-            "shared CPU, OMP_NUM_THREADS=1 may run more steps)")
+    if stopped_by in ("time_budget", "max_steps") and completed < cfg.optim.warmup_steps \
+            and (completed > start.step or start.step == 0):  # (a resumed finished run said it the first time)
+        hint = ("a longer train.time_budget_s; on a shared CPU, OMP_NUM_THREADS=1 may run more steps"
+                if stopped_by == "time_budget" else "a larger train.max_steps, or a shorter optim.warmup_steps")
+        log(f"WARNING {'the time budget' if stopped_by == 'time_budget' else 'train.max_steps'} ended the run at step "
+            f"{completed}, inside the {cfg.optim.warmup_steps}-step learning-rate warmup: the score says little about "
+            f"the recipe (hint: {hint})")
     if stopped_by == "time_budget" and t.schedule == "steps" and cfg.optim.warmdown_frac > 0 \
             and completed < t.max_steps * (1.0 - cfg.optim.lr_floor * cfg.optim.warmdown_frac):
         log(f"WARNING the time budget ended the run at step {completed} of train.max_steps={t.max_steps} with "
