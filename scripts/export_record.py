@@ -39,7 +39,7 @@ from scripts.reproduce import SeedResult, build_submission  # noqa: E402
 from scripts.runlog import LogFormatError, RunLogData, output_problem, parse_log  # noqa: E402
 from scripts.train_gpt_template import BOOTSTRAP  # noqa: E402
 from training.checkpoint import replace_folder  # noqa: E402
-from training.config import ConfigError, load_config  # noqa: E402
+from training.config import ConfigError, flat_config, load_config  # noqa: E402
 from training.run_log import git_commit  # noqa: E402
 from training.sources import (collect_modules, imported_names, module_sources,  # noqa: E402
                               sources_digest)
@@ -133,7 +133,7 @@ def config_toml(config: dict, comment: str) -> str:
 
 def record_config(logs: list[RunLogData]) -> dict:
     """The runs' common config (per-run keys aside), with paths made relative to the record folder."""
-    flat = [{f"{s}.{k}": v for s, values in log.config.items() for k, v in values.items()} for log in logs]
+    flat = [flat_config(log.config) for log in logs]
     if not flat[0]:
         raise LogFormatError(f"{logs[0].source}: no `config {{json}}` line")
     for log, other in zip(logs[1:], flat[1:]):

@@ -42,7 +42,7 @@ from scripts.record_rule import (RECORD_MARGIN_NATS, ComparisonError, Scored, ch
 from scripts.runlog import (LogFormatError, RunLogData, output_problem, parse_lines, parse_log,  # noqa: E402
                             stream_run)
 from scripts.stats import mean_std  # noqa: E402
-from training.config import Config, ConfigError, load_config, to_dict  # noqa: E402
+from training.config import Config, ConfigError, flat_config, load_config, to_dict  # noqa: E402
 from training.run_log import log_path  # noqa: E402
 from training.sources import code_digest  # noqa: E402
 
@@ -165,17 +165,6 @@ def run_seed(run: SeedRun, signals: list[int] | None = None) -> SeedRun:
 RUN_ONLY_KEYS = ("train.resume", "train.log_dir", "train.out_dir", "train.log_every", "train.checkpoint_every",
                  "train.checkpoint_keep", "train.wandb", "train.wandb_project", "train.device",
                  "data.train_files", "data.val_files", "data.tokenizer")
-
-
-def flat_config(config: dict) -> dict[str, object]:
-    """{"train": {"seed": 1}} -> {"train.seed": 1}, as the log's `config` line nests it."""
-    flat = {}
-    for section, values in config.items():
-        if isinstance(values, dict):
-            flat.update({f"{section}.{key}": value for key, value in values.items()})
-        else:  # not a section: compared as one value (and so reported, not crashed on)
-            flat[section] = values
-    return flat
 
 
 def config_differences(logged: dict, expected: dict) -> list[str]:

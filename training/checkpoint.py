@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from training.config import flat_config
 from training.distributed import RankAgreement, fail_together
 
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -94,10 +95,7 @@ SWITCHES = ("model.attention", "model.mhc_kernels", "model.mlp_kernel")
 
 def trajectory_differences(saved: dict, mine: dict) -> list[str]:
     """`key: checkpoint X, this run Y` for the trajectory keys where two resolved configs (to_dict form) differ."""
-    def flat(config: dict) -> dict:
-        return {f"{section}.{key}": value for section, values in config.items() if isinstance(values, dict)
-                for key, value in values.items()}
-    a, b = flat(saved), flat(mine)
+    a, b = flat_config(saved), flat_config(mine)
     # keys on one side only are left out: a field added since the checkpoint was written (its default keeps the old
     # behaviour) must not make every older checkpoint unresumable
     return [f"{key}: checkpoint {a[key]!r}, this run {b[key]!r}" for key in sorted(set(a) & set(b))
@@ -153,9 +151,13 @@ class Checkpointer:
             signal.signal(sig, handler)
         self._previous_handlers = {}
 
+    def folder(self, step: int) -> Path:
+        """Where the checkpoint of `step` is (complete once the folder exists)."""
+        return self.dir / f"step_{step:08d}"
+
     def has(self, step: int) -> bool:
         """A complete checkpoint of `step` is in the folder."""
-        return (self.dir / f"step_{step:08d}").is_dir()
+        return self.folder(step).is_dir()
 
     def is_periodic(self, step: int) -> bool:
         """A checkpoint step by the schedule alone. A stop request is a separate decision: the ranks
@@ -163,8 +165,8 @@ class Checkpointer:
         return self.every > 0 and step % self.every == 0
 
     def save(self, step: int, train_time_s: float, model, optimizers, ema, loader) -> Path:
-        final = self.dir / f"step_{step:08d}"
-        tmp = self.dir / f"step_{step:08d}.tmp"
+        final = self.folder(step)
+        tmp = final.with_name(final.name + ".tmp")
         failure = None
         if self.rank == 0:
             try:
@@ -288,7 +290,7 @@ def keep_trained_state(checkpointer: Checkpointer, step: int, train_time_s: floa
     Written before, not on the signal: under torchrun (or Slurm) SIGKILL follows SIGTERM within 30 s, and several
     ranks can only stop between phases that take minutes. Returns (its folder, whether it was written now: not when
     train.checkpoint_every > 0 wrote it, or the run resumed from it)."""
-    path = checkpointer.dir / f"step_{step:08d}"
+    path = checkpointer.folder(step)
     if not RankAgreement(world_size)(0.0, not checkpointer.has(step))[1]:  # the ranks agree, as save() needs them to
         return path, False
     t0 = time.perf_counter()

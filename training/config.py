@@ -214,13 +214,25 @@ AT_LEAST = (
     ("optim.matrix_lr", 0), ("optim.embed_lr", 0), ("optim.scalar_lr", 0), ("optim.weight_decay", 0),
     ("optim.grad_clip", 0), ("optim.ns_steps", 1), ("optim.warmup_steps", 0), ("optim.muon_momentum_warmup_steps", 0),
     ("optim.ema_warmup_steps", 1), ("quant.calib_seqs", 1), ("quant.calib_reserve_s", 0), ("quant.cap_bytes", 1),
-    ("quant.margin_bytes", 0), ("quant.budget_bytes", 0), ("train.batch_tokens", 1), ("train.micro_batch_seqs", 1), ("train.max_steps", 1),
+    ("quant.margin_bytes", 0), ("quant.budget_bytes", 0), ("train.batch_tokens", 1), ("train.micro_batch_seqs", 1),
+    ("train.max_steps", 1),
     ("train.time_budget_s", 0), ("train.log_every", 1), ("train.checkpoint_every", 0), ("train.seed", 0))
 # Fractions: (key, whether 1 itself is allowed). A decay or momentum of 1 never forgets (and Adam's bias
 # correction divides by 1 - beta2^t).
 FRACTIONS = (
     ("optim.muon_momentum", False), ("optim.muon_momentum_start", False), ("optim.adam_beta1", False),
     ("optim.adam_beta2", False), ("optim.ema_decay", False), ("optim.warmdown_frac", True), ("optim.lr_floor", True))
+
+
+def flat_config(config: dict) -> dict[str, object]:
+    """{"train": {"seed": 1}} -> {"train.seed": 1}, as to_dict (and a run log's `config` line) nests it."""
+    flat = {}
+    for section, values in config.items():
+        if isinstance(values, dict):
+            flat.update({f"{section}.{key}": value for key, value in values.items()})
+        else:  # not a section: compared as one value (and so reported, not crashed on)
+            flat[section] = values
+    return flat
 
 
 def _value(cfg: Config, key: str):
