@@ -181,25 +181,6 @@ def load_streams(ptr, row, c, mask, C, n: tl.constexpr, KEEP_DTYPE: tl.constexpr
 
 
 @triton.jit
-def stream_descriptor(ptr, T, width, BT: tl.constexpr, BC: tl.constexpr):
-    """A tensor descriptor over a row-major [T, width] tensor in [BT, BC] tiles: on Hopper its loads are bulk
-    copies (TMA) into shared memory that the loop pipeliner issues stages ahead, with no registers held for
-    the bytes in flight. Rows past T load as zeros. Only for C % BC == 0 (see `descriptor_tiles`), so that a
-    tile of stream j never reaches into stream j+1."""
-    return tl.make_tensor_descriptor(ptr, shape=[T, width], strides=[width, 1], block_shape=[BT, BC])
-
-
-@triton.jit
-def load_stream_tiles(desc, t0, c0, C, n: tl.constexpr, KEEP_DTYPE: tl.constexpr = False):
-    """load_streams through a descriptor over [T, n*C]: the tiles of tokens [t0, t0+BT) and channels [c0, c0+BC)."""
-    tiles = ()
-    for j in tl.static_range(n):
-        tile = desc.load([t0, j * C + c0])
-        tiles = tiles + (tile if KEEP_DTYPE else tile.to(tl.float32),)
-    return tiles
-
-
-@triton.jit
 def store_streams(ptr, row, c, mask, tiles, C, n: tl.constexpr):
     for j in tl.static_range(n):
         tl.store(ptr + row[:, None] + j * C + c[None, :], tiles[j].to(ptr.dtype.element_ty), mask=mask)
@@ -287,19 +268,6 @@ def channel_block(C: int, want: int, n: int) -> int:
     [n*BC, NP] projection tile (and the d(phi) accumulator) stays at <= 16K fp32 values."""
     cap = max(16, 16384 // (n * padded_columns(n)))
     return max(16, min(want, cap, triton.next_power_of_2(C)))
-
-
-def descriptor_tiles(C: int, BC: int, *tensors: torch.Tensor) -> bool:
-    """Whether a kernel can read these [T, ...] tensors through `stream_descriptor` in BC-channel tiles: whole
-    tiles per stream and 16-byte aligned bases (tensor descriptors require it). The alignment is read off the
-    storage offset (PyTorch's allocators align storages to far more than 16 bytes), which the stand-in tensors
-    torch.compile traces with also have; they have no data_ptr."""
-    return C % BC == 0 and all(t.storage_offset() * t.element_size() % 16 == 0 for t in tensors)
-
-
-def tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global memory for device-side tensor descriptors (Triton asks through `triton.set_allocator`)."""
-    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def program_slots(device: torch.device) -> int:

@@ -20,10 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_util import (apply_stream, channel_block, descriptor_tiles, load_mixing, load_stream_tiles,
-                                  load_streams, num_coefficients, padded_columns, phi_operand, program_slots,
-                                  require_contiguous, sigmoid, sinkhorn_bwd, store_streams, stream_descriptor,
-                                  tma_scratch)
+from kernels._triton_util import (apply_stream, channel_block, load_mixing, load_streams, num_coefficients,
+                                  padded_columns, phi_operand, program_slots, require_contiguous, sigmoid,
+                                  sinkhorn_bwd, store_streams)
 
 
 @triton.jit
@@ -133,7 +132,7 @@ def stream_bwd_kernel(
     dx_ptr, dy_ptr, dhres_ptr, dhpost_ptr,
     T, C,
     n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-    APPLY: tl.constexpr, COEF: tl.constexpr, LOWP: tl.constexpr, GP_SCRATCH: tl.constexpr, TMA: tl.constexpr,
+    APPLY: tl.constexpr, COEF: tl.constexpr, LOWP: tl.constexpr, GP_SCRATCH: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr,
 ):
     """One program owns BT tokens and walks their channels in tiles of BC, so the per-token sums over
@@ -145,22 +144,12 @@ def stream_bwd_kernel(
     layout and holds the x tiles and per-token coefficients in two layouts (n=4: 255 registers, 60
     layout conversions); the reload keeps the loop in the loads' layout (n=4: 159-172 registers at
     4 elements per thread, sm_90, no spill). Rounding G phi^T to the stream dtype is what the
-    reference's bf16 matmul output does.
-    TMA: the loop's loads of x, y, dx'_out and du go through tensor descriptors (bulk copies into shared memory,
-    issued stages ahead), not through registers."""
-    t0 = tl.program_id(0) * BT
-    t = t0 + tl.arange(0, BT)
+    reference's bf16 matmul output does."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
     K = n * C
     row = t64 * K
-    if TMA:
-        x_desc = stream_descriptor(x_ptr, T, K, BT, BC)
-        if APPLY:
-            y_desc = stream_descriptor(y_ptr, T, C, BT, BC)
-            dxo_desc = stream_descriptor(dxo_ptr, T, K, BT, BC)
-        if COEF:
-            du_desc = stream_descriptor(du_ptr, T, C, BT, BC)
     if APPLY:
         h_res, h_post = load_mixing(hres_ptr, hpost_ptr, t64, tmask, n)
         dh_res = ()
@@ -183,26 +172,16 @@ def stream_bwd_kernel(
         c = c0 + tl.arange(0, BC)
         cmask = c < C
         m2 = tmask[:, None] & cmask[None, :]
-        if TMA:
-            xs = load_stream_tiles(x_desc, t0, c0, C, n, KEEP_DTYPE=True)
-        else:
-            xs = load_streams(x_ptr, row, c, m2, C, n, KEEP_DTYPE=True)
+        xs = load_streams(x_ptr, row, c, m2, C, n, KEEP_DTYPE=True)
         if APPLY:
-            if TMA:
-                y = y_desc.load([t0, c0]).to(tl.float32)
-                dxt = load_stream_tiles(dxo_desc, t0, c0, C, n)
-            else:
-                y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-                dxt = load_streams(dxo_ptr, row, c, m2, C, n)
+            y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            dxt = load_streams(dxo_ptr, row, c, m2, C, n)
         else:
             dxt = ()
             for i in tl.static_range(n):
                 dxt = dxt + (tl.zeros([BT, BC], tl.float32),)
         if COEF:
-            if TMA:
-                du = du_desc.load([t0, c0]).to(tl.float32)
-            else:
-                du = tl.load(du_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            du = tl.load(du_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
             if GP_SCRATCH:
                 gps = ()
                 for i in tl.static_range(n):
@@ -343,9 +322,6 @@ def launch_stream_bwd(launch, x, y, h_res, h_post, dx_new, du, aux, phi, cfg: di
     BT, BC = cfg.pop("BT"), channel_block(C, cfg.pop("BC"), n)
     lowp = cfg.pop("LOWP", x.dtype == torch.bfloat16)
     gp_scratch = cfg.pop("GP_SCRATCH", False)
-    tma = cfg.pop("TMA", False) and descriptor_tiles(C, BC, *(t for t in (x, y, dx_new, du) if t is not None))
-    if tma and x.is_cuda:  # device-side descriptors need scratch memory (per thread: autograd has its own)
-        triton.set_allocator(tma_scratch)
     f32 = dict(device=x.device, dtype=torch.float32)
     dx = torch.empty_like(x)
     dy = torch.empty_like(y) if apply else None
@@ -357,7 +333,7 @@ def launch_stream_bwd(launch, x, y, h_res, h_post, dx_new, du, aux, phi, cfg: di
         x, y if apply else dummy, h_res if apply else dummy, h_post if apply else dummy,
         dx_new if apply else dummy, du if coef else dummy, aux if coef else dummy, phit if coef else dummy,
         dx, dy if apply else dummy, dh_res if apply else dummy, dh_post if apply else dummy, T, C,
-        n=n, N=N, NP=NP, APPLY=apply, COEF=coef, LOWP=lowp, GP_SCRATCH=gp_scratch, TMA=tma, BT=BT, BC=BC, **cfg)
+        n=n, N=N, NP=NP, APPLY=apply, COEF=coef, LOWP=lowp, GP_SCRATCH=gp_scratch, BT=BT, BC=BC, **cfg)
     return dx, dy, dh_res, dh_post
 
 

@@ -16,10 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_util import (apply_streams, channel_block, check_streams, descriptor_tiles, load_mixing,
-                                  load_stream_tiles, load_streams, num_coefficients, padded_columns, phi_operand,
-                                  pre_gates, require_contiguous, sigmoid, sinkhorn_fwd, store_streams,
-                                  stream_descriptor, tma_scratch)
+from kernels._triton_util import (apply_streams, channel_block, check_streams, load_mixing, load_streams,
+                                  num_coefficients, padded_columns, phi_operand, pre_gates, require_contiguous,
+                                  sigmoid, sinkhorn_fwd, store_streams)
 from kernels.mhc_reference import RMS_EPS
 
 
@@ -38,7 +37,7 @@ def coef_premix_kernel(
     xnew_ptr, u_ptr, hpost_out_ptr, hres_out_ptr, raw_ptr, rinv_ptr,
     T, C,
     n: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr, EPS: tl.constexpr,
-    APPLY: tl.constexpr, APPLY_PASS: tl.constexpr, LOWP: tl.constexpr, ZIGZAG: tl.constexpr, TMA: tl.constexpr,
+    APPLY: tl.constexpr, APPLY_PASS: tl.constexpr, LOWP: tl.constexpr, ZIGZAG: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr,
 ):
     """LOWP (bf16 streams): the projection x'.phi takes bf16 operands (the stored x' and phi^T, on the tensor
@@ -49,21 +48,13 @@ def coef_premix_kernel(
     overlapping iterations).
     ZIGZAG: the passes over the channels alternate direction (pass 0 backwards, pass 1 forwards, pass 2
     backwards), so each pass first rereads the tiles the pass before touched last, while they are most likely
-    still in L2. Only the elementwise passes turn around: the projection's sum keeps its order.
-    TMA: the inputs x and y are read through tensor descriptors (bulk copies into shared memory, issued stages
-    ahead). x' written by this program is always reread with plain loads: a bulk copy reading what the
-    program's threads just stored would need a proxy fence."""
-    t0 = tl.program_id(0) * BT
-    t = t0 + tl.arange(0, BT)
+    still in L2. Only the elementwise passes turn around: the projection's sum keeps its order."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)
     col = tl.arange(0, NP)
     K = n * C
     row = t64 * K                                   # offset of token t's first stream
-    if TMA:
-        x_desc = stream_descriptor(x_ptr, T, K, BT, BC)
-        if APPLY:
-            y_desc = stream_descriptor(y_ptr, T, C, BT, BC)
     if APPLY:
         h_res_in, h_post_in = load_mixing(hres_ptr, hpost_ptr, t64, tmask, n)
         src_ptr = xnew_ptr
@@ -73,16 +64,11 @@ def coef_premix_kernel(
     tiles = tl.cdiv(C, BC)
     if APPLY and APPLY_PASS:  # pass 0: x' for all of this program's channels, then one barrier
         for k in range(0, tiles):
-            c0 = _tile_start(k, tiles, ZIGZAG) * BC
-            c = c0 + tl.arange(0, BC)
+            c = _tile_start(k, tiles, ZIGZAG) * BC + tl.arange(0, BC)
             m2 = tmask[:, None] & (c < C)[None, :]
-            if TMA:
-                y = y_desc.load([t0, c0]).to(tl.float32)
-                xs = load_stream_tiles(x_desc, t0, c0, C, n)
-            else:
-                y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
-                xs = load_streams(x_ptr, row, c, m2, C, n)
-            store_streams(xnew_ptr, row, c, m2, apply_streams(xs, y, h_res_in, h_post_in, n), C, n)
+            y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            xs = apply_streams(load_streams(x_ptr, row, c, m2, C, n), y, h_res_in, h_post_in, n)
+            store_streams(xnew_ptr, row, c, m2, xs, C, n)
         tl.debug_barrier()
 
     # Pass 1: one read of the streams feeds the projection and the sum of squares.
@@ -93,20 +79,14 @@ def coef_premix_kernel(
         cmask = c < C
         m2 = tmask[:, None] & cmask[None, :]
         if APPLY and not APPLY_PASS:  # the apply, tile by tile
-            if TMA:
-                xs = load_stream_tiles(x_desc, t0, c0, C, n, KEEP_DTYPE=LOWP)
-                y = y_desc.load([t0, c0]).to(tl.float32)
-            else:
-                xs = load_streams(x_ptr, row, c, m2, C, n, KEEP_DTYPE=LOWP)
-                y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
+            xs = load_streams(x_ptr, row, c, m2, C, n, KEEP_DTYPE=LOWP)
+            y = tl.load(y_ptr + t64[:, None] * C + c[None, :], mask=m2, other=0.0).to(tl.float32)
             store_streams(xnew_ptr, row, c, m2, apply_streams(xs, y, h_res_in, h_post_in, n), C, n)
             # The projection reads x' back as stored (the reference rounds it too). Reading it from
             # memory, not registers, also stops Triton from recomputing the apply in the dot-operand
             # layout (replicated across warps), which doubled the registers and spilled.
             tl.debug_barrier()
             xs = load_streams(xnew_ptr, row, c, m2, C, n, KEEP_DTYPE=LOWP)
-        elif TMA and not APPLY:  # the input streams
-            xs = load_stream_tiles(x_desc, t0, c0, C, n, KEEP_DTYPE=LOWP)
         else:  # x' as pass 0 wrote it, or the input streams when there is no apply
             xs = load_streams(src_ptr, row, c, m2, C, n, KEEP_DTYPE=LOWP)
         for i in tl.static_range(n):
@@ -139,13 +119,9 @@ def coef_premix_kernel(
 
     # Pass 2: the pre-mix re-reads this program's streams (x' as written in pass 0 or 1, from L2).
     for k in range(0, tiles):
-        c0 = _tile_start(k, tiles, ZIGZAG) * BC
-        c = c0 + tl.arange(0, BC)
+        c = _tile_start(k, tiles, ZIGZAG) * BC + tl.arange(0, BC)
         m2 = tmask[:, None] & (c < C)[None, :]
-        if TMA and not APPLY:
-            xs = load_stream_tiles(x_desc, t0, c0, C, n)
-        else:
-            xs = load_streams(src_ptr, row, c, m2, C, n)
+        xs = load_streams(src_ptr, row, c, m2, C, n)
         u = h_pre[0][:, None] * xs[0]
         for j in tl.static_range(1, n):
             u += h_pre[j][:, None] * xs[j]
@@ -208,16 +184,13 @@ def launch_coef_premix(launch, x, y, h_res, h_post, phi, alpha, bias, iters: int
     lowp = cfg.pop("LOWP", x.dtype == torch.bfloat16)
     apply_pass = cfg.pop("APPLY_PASS", False) and apply  # without an apply the two paths are one
     zigzag = cfg.pop("ZIGZAG", True)
-    tma = cfg.pop("TMA", False) and descriptor_tiles(C, BC, x, *((y,) if apply else ()))
-    if tma and x.is_cuda:  # device-side descriptors need scratch memory (per thread: autograd has its own)
-        triton.set_allocator(tma_scratch)
     phit = phi_operand(phi, x.dtype, lowp)
     grid = (triton.cdiv(T, BT),)
     launch(coef_premix_kernel)[grid](
         x, y if apply else x, h_res if apply else raw, h_post if apply else raw,
         phit, alpha, bias, x_new if apply else x, u, h_post_out, h_res_out, raw, rinv,
         T, C, n=n, N=N, NP=padded_columns(n), ITERS=iters, EPS=RMS_EPS, APPLY=apply, APPLY_PASS=apply_pass,
-        LOWP=lowp, ZIGZAG=zigzag, TMA=tma, BT=BT, BC=BC, **cfg)
+        LOWP=lowp, ZIGZAG=zigzag, BT=BT, BC=BC, **cfg)
     return x_new, u, h_post_out, h_res_out, raw, rinv
 
 

@@ -57,11 +57,7 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
                     dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=2),
                     dict(BT=16, BC=64, num_warps=4, APPLY_PASS=True), dict(BT=16, BC=64, num_warps=2),
                     dict(BT=32, BC=64, num_warps=4, APPLY_PASS=True, ZIGZAG=False),
-                    dict(BT=16, BC=256, num_warps=4),
-                    dict(BT=32, BC=128, num_warps=4, TMA=True), dict(BT=16, BC=128, num_warps=4, TMA=True),
-                    dict(BT=32, BC=64, num_warps=4, TMA=True), dict(BT=16, BC=64, num_warps=4, TMA=True),
-                    dict(BT=32, BC=128, num_warps=4, TMA=True, num_stages=2),
-                    dict(BT=32, BC=64, num_warps=4, APPLY_PASS=True, TMA=True)],
+                    dict(BT=16, BC=256, num_warps=4)],
     # Dropped on an H100 (session 13, as in session 6): one token row per thread, like stream_bwd's fastest
     # block. Compiled for sm_90 on the CPU it needs 128 registers and no spills at n=4 with the apply (32 x 128:
     # 255 and 280 B of spills), yet 32 x 16 on 2 warps took 1.030 / 0.523 ms (n=4 / n=2) and 64 x 16 on 4 warps
@@ -76,9 +72,7 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     "coef_premix_pre": [dict(BT=64, BC=64, num_warps=4), dict(BT=32, BC=64, num_warps=4),
                         dict(BT=16, BC=64, num_warps=4), dict(BT=32, BC=128, num_warps=4),
                         dict(BT=16, BC=128, num_warps=4), dict(BT=32, BC=64, num_warps=8),
-                        dict(BT=64, BC=64, num_warps=8), dict(BT=64, BC=32, num_warps=4),
-                        dict(BT=64, BC=64, num_warps=4, TMA=True), dict(BT=32, BC=64, num_warps=4, TMA=True),
-                        dict(BT=32, BC=128, num_warps=4, TMA=True), dict(BT=64, BC=64, num_warps=4, TMA=True, num_stages=2)],
+                        dict(BT=64, BC=64, num_warps=8), dict(BT=64, BC=32, num_warps=4)],
     "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
                  dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
     # GP_SCRATCH (G phi^T through the dx tile, kernels/mhc_bwd.py) takes n=4 from 255 registers to 159-172 at
@@ -95,15 +89,12 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     # (16/64/4 warps GP_SCRATCH) against 0.160 + 0.341. Likely (not profiled): pass A runs at the occupancy that the
     # heaviest part sets (stream_bwd's registers), where premix_grad alone streams near copy bandwidth, and what
     # pass B gains from L2 does not make up for it. Removed (docs/benchmarks.md, session 14).
+    # Tensor-descriptor (TMA) loads of the inputs (session 20, commit f0f2daf, removed after): on an H100 at n=4
+    # every TMA row lost. stream_bwd 1.470-2.643 ms on 9 blocks (32/16/2 warps 1.819) against 1.026; coef_premix
+    # 0.831-1.022 on 6 blocks against 0.670; coef_premix_pre 0.364-0.489 on 4 against 0.338.
     "stream_bwd": [dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4), dict(BT=64, BC=16, num_warps=4),
                    dict(BT=32, BC=16, num_warps=2, GP_SCRATCH=True), dict(BT=16, BC=64, num_warps=8, GP_SCRATCH=True),
-                   dict(BT=16, BC=64, num_warps=4, GP_SCRATCH=True),
-                   dict(BT=32, BC=16, num_warps=2, TMA=True), dict(BT=32, BC=32, num_warps=2, TMA=True),
-                   dict(BT=16, BC=64, num_warps=4, TMA=True), dict(BT=64, BC=16, num_warps=4, TMA=True),
-                   dict(BT=32, BC=16, num_warps=2, TMA=True, num_stages=4),
-                   dict(BT=32, BC=64, num_warps=4, TMA=True), dict(BT=16, BC=32, num_warps=2, TMA=True),
-                   dict(BT=16, BC=64, num_warps=4, GP_SCRATCH=True, TMA=True),
-                   dict(BT=32, BC=16, num_warps=2, GP_SCRATCH=True, TMA=True)],
+                   dict(BT=16, BC=64, num_warps=4, GP_SCRATCH=True)],
     "dphi": [dict(BT=32, BK=128, num_warps=4), dict(BT=64, BK=128, num_warps=4), dict(BT=64, BK=256, num_warps=8),
              dict(BT=128, BK=64, num_warps=4), dict(BT=32, BK=128, num_warps=4, splits=66)],
 }
