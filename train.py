@@ -25,7 +25,7 @@ import torch
 import torch.distributed
 
 from data.loader import TokenLoader, load_tokens
-from data.shards import ShardError, list_shards, require_disjoint, require_tokenizer
+from data.shards import ShardError, list_shards, require_disjoint, require_token_ids, require_tokenizer
 from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256, load_sp
 from model.gpt import GPT
 from quant.container import ArtifactError, CodecUnavailable, require_codec
@@ -179,6 +179,7 @@ def find_checkpoint(cfg: Config, dist, ckpt_dir: Path) -> tuple[Checkpointer, Pa
 class Validation(NamedTuple):
     tokens: np.ndarray
     lut: ByteLUT
+    tokenizer_sha256: str          # hashed once: the sha256 that was checked is the one the artifact records
     source_entropy: float | None  # bits per byte of the text's source, where its manifest states it (the demo)
     audited_bytes: int | None     # BPB's denominator, audited against the decoded text (rank 0; None elsewhere)
 
@@ -189,11 +190,10 @@ def load_validation(cfg: Config, train_files: list[str], rank: int) -> Validatio
     val_files = list_shards(cfg.data.val_files)
     require_disjoint(train_files, val_files)
     val_tokens = load_tokens(val_files, cfg.eval.max_tokens)
-    if len(val_tokens) and int(val_tokens.max()) >= cfg.model.vocab_size:
-        raise ShardError(f"{cfg.data.val_files}: token id {int(val_tokens.max())} is outside the model's vocabulary "
-                         f"of {cfg.model.vocab_size} (hint: validation shards made with another tokenizer)")
+    require_token_ids(val_tokens, cfg.model.vocab_size, cfg.data.val_files, "the model's")
     lut = build_byte_lut(cfg.data.tokenizer)  # a missing or unusable tokenizer is named here
-    require_tokenizer(train_files + val_files, file_sha256(cfg.data.tokenizer), cfg.data.tokenizer)
+    tokenizer_sha256 = file_sha256(cfg.data.tokenizer)
+    require_tokenizer(train_files + val_files, tokenizer_sha256, cfg.data.tokenizer)
     if len(lut.base_bytes) != cfg.model.vocab_size:
         raise ConfigError(f"{cfg.data.tokenizer} has {len(lut.base_bytes)} ids but model.vocab_size="
                           f"{cfg.model.vocab_size} (hint: set model.vocab_size={len(lut.base_bytes)})")
@@ -201,7 +201,7 @@ def load_validation(cfg: Config, train_files: list[str], rank: int) -> Validatio
     if rank == 0:  # BPB's denominator must be the decoded text's UTF-8 length, exactly
         audited = require_byte_audit(val_tokens, load_sp(cfg.data.tokenizer), lut, cfg.data.val_files,
                                      cfg.data.tokenizer)
-    return Validation(val_tokens, lut, source_entropy(cfg), audited)
+    return Validation(val_tokens, lut, tokenizer_sha256, source_entropy(cfg, tokenizer_sha256), audited)
 
 
 def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val: Validation, n_params: int,
@@ -319,7 +319,7 @@ def ship(cfg: Config, dist, model, ema, train_files: list[str], result, val: Val
         check_stop("the export")
         export = export_model(cfg, model, train_files=train_files, rank=dist.rank,
                               world_size=dist.world_size, log=log, artifact_path=artifact,
-                              tokenizer_sha256=file_sha256(cfg.data.tokenizer), device=device,
+                              tokenizer_sha256=val.tokenizer_sha256, device=device,
                               train_time_s=result.train_time_s)
     final.update(export)
     if "export_error" in export:
@@ -330,7 +330,7 @@ def ship(cfg: Config, dist, model, ema, train_files: list[str], result, val: Val
     check_stop("scoring the artifact")
     t0 = time.perf_counter()
     scored = evaluate_artifact(artifact, val.tokens, val.lut, cfg.eval, device=device, rank=dist.rank,
-                               world_size=dist.world_size, tokenizer_sha256=file_sha256(cfg.data.tokenizer),
+                               world_size=dist.world_size, tokenizer_sha256=val.tokenizer_sha256,
                                progress=log, before_batch=poll)
     log.record("eval", stage="artifact", seconds=round(time.perf_counter() - t0, 1), **scored)
     final.update({k: scored[k] for k in ("val_loss", "val_bpb", "tokens", "bytes", "artifact_bytes",
@@ -348,7 +348,7 @@ def ship(cfg: Config, dist, model, ema, train_files: list[str], result, val: Val
     return final
 
 
-def source_entropy(cfg: Config) -> float | None:
+def source_entropy(cfg: Config, tokenizer_sha256: str) -> float | None:
     """The demo corpus states its true entropy rate in the manifest beside its tokenizer; real data has none."""
     manifest = Path(cfg.data.tokenizer).parent / "manifest.json"
     if not manifest.exists():
@@ -362,7 +362,7 @@ def source_entropy(cfg: Config) -> float | None:
     if value is not None and not isinstance(value, (int, float)):
         raise ConfigError(f"{manifest}: source_entropy_bits_per_byte must be a number, got {value!r}")
     recorded = fields.get("tokenizer_sha256")
-    if value is not None and recorded is not None and recorded != file_sha256(cfg.data.tokenizer):
+    if value is not None and recorded is not None and recorded != tokenizer_sha256:
         raise ConfigError(f"{manifest}: describes another tokenizer than {cfg.data.tokenizer} (its sha256 differs), "
                           "so its shards and source entropy are not this tokenizer's (hint: regenerate the folder: "
                           "python -m data.demo --out DIR)")

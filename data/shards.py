@@ -143,6 +143,14 @@ def require_tokenizer(files: list[str], tokenizer_sha256: str, tokenizer: str) -
                              "the tokenizer the folder was prepared with, usually the one inside it)")
 
 
+def require_token_ids(tokens: np.ndarray, vocab_size: int, shards: str, vocabulary: str) -> None:
+    """ShardError when a token id is past the vocabulary: the model's embedding would be indexed out of range, or
+    the byte table read past its end. `vocabulary` says whose it is (the model's, the tokenizer's)."""
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise ShardError(f"{shards}: token id {int(tokens.max())} is outside {vocabulary} vocabulary of {vocab_size} "
+                         "ids (hint: shards made with another tokenizer)")
+
+
 def require_disjoint(train_files: list[str], val_files: list[str]) -> None:
     """ShardError when a training shard is a validation shard: the same file under any name (a symlink or hard
     link included), or an identical copy. A score on text the model trained on is no validation score, and GPTQ

@@ -22,7 +22,7 @@ if str(REPO) not in sys.path:  # `python scripts/evaluate.py` as well as `python
     sys.path.insert(0, str(REPO))
 
 from data.loader import load_tokens  # noqa: E402
-from data.shards import ShardError, list_shards, require_tokenizer  # noqa: E402
+from data.shards import ShardError, list_shards, require_token_ids, require_tokenizer  # noqa: E402
 from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256, load_sp  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.gpt import GPT  # noqa: E402
@@ -198,10 +198,8 @@ def score(a: argparse.Namespace, p: argparse.ArgumentParser, device: torch.devic
     require_tokenizer(shards, sha, a.tokenizer)
     tokens = load_tokens(shards, eval_cfg.max_tokens)
     lut = build_byte_lut(sp)
-    vocab = min(len(lut.base_bytes), model.cfg.vocab_size)
-    if len(tokens) and int(tokens.max()) >= vocab:
-        raise ShardError(f"{pattern}: token id {int(tokens.max())} is outside the vocabulary of {vocab} ids (of "
-                         f"{a.tokenizer} and the artifact's model) (hint: shards made with another tokenizer)")
+    require_token_ids(tokens, min(len(lut.base_bytes), model.cfg.vocab_size), pattern,
+                      f"the tokenizer's ({a.tokenizer}) and the artifact model's")
     require_byte_audit(tokens, sp, lut, pattern, a.tokenizer)  # BPB's denominator, as train.py checks it
     result = score_model(Path(a.artifact), model, meta, tokens, lut, eval_cfg, device=device,
                          tokenizer_sha256=sha, progress=lambda line: print(line, file=sys.stderr))

@@ -133,6 +133,7 @@ def test_an_interrupted_demo_keeps_its_tokenizer_with_its_shards(tmp_path, fail_
 
 def test_train_refuses_a_manifest_of_another_tokenizer(small_demo, tmp_path):
     """The demo's manifest gives the source entropy train.py reports; read beside another tokenizer it is stale."""
+    from data.tokenizer import file_sha256
     from train import source_entropy
     from training.config import ConfigError, load_config
     out, _ = small_demo
@@ -141,5 +142,6 @@ def test_train_refuses_a_manifest_of_another_tokenizer(small_demo, tmp_path):
     other.write_bytes((out / "tokenizer.model").read_bytes() + b"\0")
     cfg = load_config(None, [f"data.tokenizer={other}"])
     with pytest.raises(ConfigError, match="describes another tokenizer"):
-        source_entropy(cfg)
-    assert source_entropy(load_config(None, [f"data.tokenizer={out / 'tokenizer.model'}"])) > 0
+        source_entropy(cfg, file_sha256(other))
+    own = out / "tokenizer.model"
+    assert source_entropy(load_config(None, [f"data.tokenizer={own}"]), file_sha256(own)) > 0

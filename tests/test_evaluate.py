@@ -290,7 +290,7 @@ def test_shards_of_a_larger_vocabulary_are_named_before_scoring(tiny_seed_runs, 
     (tmp_path / "val").mkdir()
     write_shard(tmp_path / "val" / "fineweb_val_000000.bin", np.array([1, 5, 981, 7] * 50, dtype=np.uint16))
     with pytest.raises(SystemExit, match=r"scripts.evaluate: .*fineweb_val_\*.bin: token id 981 is outside the "
-                                         r"vocabulary of 512 ids .*another tokenizer"):
+                                         r"tokenizer's .* vocabulary of 512 ids .*another tokenizer"):
         evaluate.main(["--artifact", str(artifact), "--val", str(tmp_path / "val"), "--tokenizer",
                        str(demo_dir / "tokenizer.model"), "--device", "cpu"])
 
