@@ -136,6 +136,13 @@ def check_trained_alike(finals: list[dict], sources: list[str], what: str) -> No
                               "machine, e.g. the same data.download --train-shards)")
 
 
+def check_seeds_alike(finals: list[dict], seeds: list[int | None], sources: list[str], what: str) -> None:
+    """The runs whose mean a record or a reproduction reports: scored on the same validation text and trained on
+    the same data (check_scored_alike, check_trained_alike)."""
+    check_scored_alike([Scored.from_final(f, seed, source) for f, seed, source in zip(finals, seeds, sources)], what)
+    check_trained_alike(finals, sources, what)
+
+
 def significance(candidate: list[Scored], baseline: list[Scored]) -> dict:
     """The record rule's test, and beside it the same test without the margin ("any_improvement"): whether the
     candidate is better at all, which is what comparing two layouts of one's own asks. Refuses runs that cannot be

@@ -37,8 +37,8 @@ if str(REPO) not in sys.path:  # `python scripts/reproduce.py` as well as `pytho
 
 from data.files import write_atomic  # noqa: E402
 from quant.size import CAP_BYTES  # noqa: E402
-from scripts.record_rule import (RECORD_MARGIN_NATS, ComparisonError, Scored, check_scored_alike,  # noqa: E402
-                                 check_trained_alike, final_problem, read_baseline, significance)
+from scripts.record_rule import (RECORD_MARGIN_NATS, ComparisonError, Scored, check_seeds_alike,  # noqa: E402
+                                 final_problem, read_baseline, significance)
 from scripts.runlog import (LogFormatError, RunLogData, output_problem, parse_lines, parse_log,  # noqa: E402
                             stream_run)
 from scripts.stats import mean_std  # noqa: E402
@@ -84,8 +84,10 @@ def build_submission(name: str, github_id: str, results: list[SeedResult], *, co
     over = [r for r in results if r.final["artifact_bytes"] + code > CAP_BYTES]
     if over:
         raise ValueError(f"seed {over[0].seed}: artifact {over[0].final['artifact_bytes']:,} + code {code:,} bytes = "
-                         f"{over[0].final['artifact_bytes'] + code:,}, over the {CAP_BYTES:,}-byte cap (hint: seeds "
-                         "run on other code count the largest code; run them on one checkout)")
+                         f"{over[0].final['artifact_bytes'] + code:,}, over the {CAP_BYTES:,}-byte cap (hint: the code "
+                         "counted is what ships, a record's train_gpt.py and config.toml, else the largest of the "
+                         "seeds' own counts: run the seeds on one checkout, under a quant.budget_bytes that leaves "
+                         "room for it)")
     per_seed = {str(r.seed): {"run_id": r.final["run_id"], "val_bpb": r.final["val_bpb"],
                               "val_loss": r.final["val_loss"], "pre_quant_val_bpb": r.final.get("pre_quant_val_bpb"),
                               "steps": r.final["steps"], "train_time_s": r.final["train_time_s"],
@@ -352,8 +354,7 @@ def main(argv=None) -> int:
         hint = "leave the checkout alone while seeds run, or count them with --reuse --allow-other-code"
     elif len(good) == len(runs) > 1:  # the mean of runs scored on different text means nothing
         try:
-            check_scored_alike([r.scored() for r in good], "the seeds")
-            check_trained_alike([r.final for r in good], [r.run_id for r in good], "the seeds")
+            check_seeds_alike([r.final for r in good], [r.seed for r in good], [r.run_id for r in good], "the seeds")
         except ComparisonError as e:
             not_compared, hint = str(e), "run every seed on the same shards and tokenizer"
     if not_compared:

@@ -215,6 +215,10 @@ def test_bad_runs_are_refused_and_nothing_is_written(tiny_seed_runs, tmp_path):
     late = tmp_path / "late.txt"  # calibration on training tokens ran past the budget's reserve
     late.write_text(tiny_seed_runs.logs[1].read_text()
                     + f"final {json.dumps({**final, 'calib_within_budget': False, 'calib_total_s': 9.0})}\n")
+    # within the cap under its run's own code count, not beside the ~130 KB train_gpt.py and config.toml that ship
+    tight = tmp_path / "tight.txt"
+    tight.write_text(tiny_seed_runs.logs[1].read_text() + "final " + json.dumps(
+        {**final, "artifact_bytes": 15_950_000, "code_bytes": 50_000, "total_bytes": 16_000_000}) + "\n")
     twice = tmp_path / "twice.txt"  # the run_id used again: the folder would ship both runs' lines
     twice.write_text(tiny_seed_runs.logs[0].read_text() * 2)
     cases = [([unfinished], "unfinished.txt: no `final"), ([over], "over the 16,000,000-byte cap"),
@@ -222,6 +226,8 @@ def test_bad_runs_are_refused_and_nothing_is_written(tiny_seed_runs, tmp_path):
              ([subset], "subset.txt: scored on the first eval.max_tokens=1000 validation tokens only"),
              ([tiny_seed_runs.logs[0]] * 2, "runs share a seed"),
              ([twice], r"twice.txt: holds 2 runs appended under one run_id"),
+             ([tight], rf"seed {TINY_SEEDS[1]}: artifact 15,950,000 \+ code 1\d\d,\d\d\d bytes = 16,\d\d\d,\d\d\d, over "
+                       r"the 16,000,000-byte cap \(hint: the code counted is what ships"),
              ([late], r"late.txt: .*and calibration on training tokens \(9.0 s\) took longer than train.time_budget_s")]
     for runs, message in cases:
         with pytest.raises(SystemExit, match=message):
