@@ -55,20 +55,23 @@ def unigram_bits(sp, docs: list[str]) -> float:
 DEMO_KIND = "demo word-level Markov chain (data/demo_source.py)"
 
 
-def refuse_other_corpora(out: Path) -> None:
-    """A demo replaces an earlier demo in its folder (its shards and tokenizer), never shards of another
-    corpus: those stay unless the user moves them."""
+def earlier_demo(out: Path) -> dict | None:
+    """The source of the demo already in `out` (its manifest's "source": seed, words, ...), which a new demo
+    replaces (its shards and tokenizer), or None for an empty folder. Shards of another corpus are refused: those
+    stay unless the user moves them."""
     manifest = out / "manifest.json"
     if not manifest.exists() and not any(out.glob("fineweb_*.bin")):
-        return
+        return None
+    source = None
     try:
-        kind = json.loads(manifest.read_text()).get("source", {}).get("kind") if manifest.exists() else None
-    except (json.JSONDecodeError, AttributeError):
-        kind = None
-    if kind != DEMO_KIND:
+        source = json.loads(manifest.read_text()).get("source") if manifest.exists() else None
+    except (json.JSONDecodeError, AttributeError):  # not a manifest of ours
+        pass
+    if not isinstance(source, dict) or source.get("kind") != DEMO_KIND:
         found = "its manifest.json names no demo source" if manifest.exists() else "shards, no manifest.json"
         raise FileExistsError(f"{out} holds shards of another corpus ({found}), which the demo would replace "
                               "(hint: choose an empty --out, e.g. runs/demo/data)")
+    return source
 
 
 def make_demo(out_dir: str | os.PathLike, seed: int = 0, train_docs: int = DEFAULT_TRAIN_DOCS,
@@ -78,7 +81,7 @@ def make_demo(out_dir: str | os.PathLike, seed: int = 0, train_docs: int = DEFAU
     if train_docs < 1 or val_docs < 1:
         raise ValueError(f"train_docs ({train_docs}) and val_docs ({val_docs}) must be >= 1")
     out = Path(out_dir)
-    refuse_other_corpora(out)
+    earlier_demo(out)  # refuses another corpus's folder
     out.mkdir(parents=True, exist_ok=True)
     src = build_source(seed)
     rate = entropy_rate(src)
@@ -121,7 +124,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--val-docs", type=int, default=DEFAULT_VAL_DOCS)
     a = p.parse_args(argv)
     t0 = time.perf_counter()
+    before = earlier_demo(Path(a.out))
     m = make_demo(a.out, seed=a.seed, train_docs=a.train_docs, val_docs=a.val_docs)
+    if before is not None:  # said, because runs trained on the old one are not comparable with runs on this one
+        print(f"replaced the demo of seed {before.get('seed')} that {a.out} held")
     for split in ("train", "val"):
         s = m["splits"][split]
         print(f"{split}: {s['docs']:,} docs, {s['tokens']:,} tokens, {s['bytes']:,} bytes, {len(s['shards'])} shards")

@@ -102,6 +102,12 @@ def test_demo_cli_is_deterministic_per_seed(tmp_path, small_demo):
         assert (tmp_path / "a" / name).read_bytes() == (ref_dir / name).read_bytes(), name
     make_demo(tmp_path / "b", seed=4, train_docs=400, val_docs=60)
     assert (tmp_path / "b" / "fineweb_val_000000.bin").read_bytes() != (ref_dir / "fineweb_val_000000.bin").read_bytes()
+    assert "replaced" not in out
+    # over an earlier demo: replaced, and said (runs on the two are not comparable)
+    again = subprocess.run(args + ["--out", str(tmp_path / "b")], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout
+    assert f"replaced the demo of seed 4 that {tmp_path / 'b'} held" in again
+    assert (tmp_path / "b" / "fineweb_val_000000.bin").read_bytes() == (ref_dir / "fineweb_val_000000.bin").read_bytes()
 
 
 def test_make_demo_refuses_a_folder_with_another_corpus(tmp_path):
