@@ -6,6 +6,8 @@ Prints one JSON line: val_loss, val_bpb, tokens, bytes, context, stride, artifac
 total_bytes. train.py's final line comes from `evaluate_artifact` below: the same code path. Unless
 --context / --stride / --max-tokens / --batch-seqs say otherwise, it scores as the run did (its eval.context,
 eval.stride, eval.max_tokens and eval.batch_seqs, recorded in the artifact), so the number is train.py's.
+The counted code is this repository's (quant.size.CODE_FILES), as train.py counts it; for an artifact that ships
+with other code, a record's, name that code: --code RECORD/train_gpt.py RECORD/config.toml.
 """
 from __future__ import annotations
 
@@ -130,16 +132,18 @@ def evaluate_artifact(artifact: str | Path, val_tokens, lut: ByteLUT, eval_cfg: 
 
 def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT, eval_cfg: EvalConfig, *,
                 device: torch.device, rank: int = 0, world_size: int = 1,
-                tokenizer_sha256: str | None = None, progress=None, before_batch=None) -> dict:
-    """BPB of the model loaded from `artifact`, and the shipped size (artifact + counted code). progress and
-    before_batch: see training.evaluate.evaluate_bpb."""
+                tokenizer_sha256: str | None = None, progress=None, before_batch=None,
+                shipped_code: list[Path] | None = None) -> dict:
+    """BPB of the model loaded from `artifact`, and the shipped size (artifact + counted code: the repository's,
+    or the files of `shipped_code`). progress and before_batch: see training.evaluate.evaluate_bpb."""
     if tokenizer_sha256:
         require_same_tokenizer(artifact, meta, tokenizer_sha256)
     result = evaluate_bpb(model, val_tokens, lut, context=eval_cfg.context, stride=eval_cfg.stride,
                           batch_seqs=eval_cfg.batch_seqs, device=device,
                           autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
                           rank=rank, world_size=world_size, progress=progress, before_batch=before_batch)
-    sizes = check_total(artifact.stat().st_size, code_bytes(REPO))
+    code = code_bytes(REPO) if shipped_code is None else sum(f.stat().st_size for f in shipped_code)
+    sizes = check_total(artifact.stat().st_size, code)
     result.update(context=eval_cfg.context, stride=eval_cfg.stride, max_tokens=eval_cfg.max_tokens,
                   artifact_bytes=sizes["artifact_bytes"], code_bytes=sizes["code_bytes"],
                   total_bytes=sizes["total_bytes"], fits_cap=sizes["fits"])
@@ -161,6 +165,9 @@ def main(argv=None) -> None:
     p.add_argument("--batch-seqs", type=int, help="windows per forward pass (default: the run's eval.batch_seqs)")
     p.add_argument("--max-tokens", type=int,
                    help="score only the first N validation tokens, 0 = all (default: the run's eval.max_tokens)")
+    p.add_argument("--code", nargs="+", metavar="FILE",
+                   help="the code that ships with the artifact, counted in its total in place of this repository's "
+                        "(a record's train_gpt.py and config.toml)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N (default: cuda where a GPU is visible)")
     a = p.parse_args(argv)
@@ -179,7 +186,12 @@ def main(argv=None) -> None:
 
 
 def score(a: argparse.Namespace, p: argparse.ArgumentParser, device: torch.device) -> None:
-    """The command line's scoring; the cheap inputs (shards, tokenizer) are checked before the model is built."""
+    """The command line's scoring; the cheap inputs (shards, tokenizer, code) are checked before the model is built."""
+    shipped_code = None if a.code is None else [Path(f) for f in a.code]
+    for f in shipped_code or []:
+        if not f.is_file():
+            p.error(f"--code {f}: no such file (hint: the files that ship with the artifact, e.g. a record folder's "
+                    "train_gpt.py and config.toml)")
     pattern = str(Path(a.val) / "fineweb_val_*.bin") if Path(a.val).is_dir() else a.val
     shards, sp = list_shards(pattern), load_sp(a.tokenizer)
     training = [s for s in shards if Path(s).name.startswith("fineweb_train_")]
@@ -202,7 +214,8 @@ def score(a: argparse.Namespace, p: argparse.ArgumentParser, device: torch.devic
                       f"the tokenizer's ({a.tokenizer}) and the artifact model's")
     require_byte_audit(tokens, sp, lut, pattern, a.tokenizer)  # BPB's denominator, as train.py checks it
     result = score_model(Path(a.artifact), model, meta, tokens, lut, eval_cfg, device=device,
-                         tokenizer_sha256=sha, progress=lambda line: print(line, file=sys.stderr))
+                         tokenizer_sha256=sha, progress=lambda line: print(line, file=sys.stderr),
+                         shipped_code=shipped_code)
     if not math.isfinite(result["val_loss"]):
         raise ArtifactError(f"{a.artifact}: scores val_loss {result['val_loss']} (its weights give NaN or Inf "
                             "log-probabilities: a damaged artifact)")

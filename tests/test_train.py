@@ -85,9 +85,17 @@ def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path,
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (again["context"], again["stride"], again["max_tokens"]) == (32, 16, 3000)
     assert again["val_bpb"] == final["val_bpb"] and again["tokens"] == final["tokens"]
-    evaluate.main(args + ["--stride", "0"])
+    assert again["code_bytes"] == final["code_bytes"]  # the repository's code, as train.py counted it
+    shipped = [tmp_path / "train_gpt.py", tmp_path / "config.toml"]  # a record's: the code that ships counts
+    shipped[0].write_bytes(b"#" * 1234)
+    shipped[1].write_bytes(b"#" * 56)
+    evaluate.main(args + ["--stride", "0", "--code", *map(str, shipped)])
     windows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (windows["context"], windows["stride"]) == (32, 0) and windows["val_bpb"] != final["val_bpb"]
+    assert windows["code_bytes"] == 1290 and windows["total_bytes"] == final["artifact_bytes"] + 1290
+    with pytest.raises(SystemExit):
+        evaluate.main(args + ["--code", str(tmp_path / "gone.py")])
+    assert f"--code {tmp_path / 'gone.py'}: no such file (hint:" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="matches training shards .*hint: --val DIR"):  # 'DIR/*.bin' sorts train first
         evaluate.main(["--artifact", str(artifact), "--val", f"{demo_dir}/*.bin", "--tokenizer",
                        str(demo_dir / "tokenizer.model")])
