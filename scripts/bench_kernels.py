@@ -89,6 +89,8 @@ SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the d
     # (16/64/4 warps GP_SCRATCH) against 0.160 + 0.341. Likely (not profiled): pass A runs at the occupancy that the
     # heaviest part sets (stream_bwd's registers), where premix_grad alone streams near copy bandwidth, and what
     # pass B gains from L2 does not make up for it. Removed (docs/benchmarks.md, session 14).
+    # Whole-row channel tiles past channel_block's cap (session 20, a probe; n=4): 16/512 on 4/8/16 warps 1.334-2.039
+    # ms with the apply against 0.680, 16/256 0.753; without the apply they need 262-525 KB of shared memory.
     # Tensor-descriptor (TMA) loads of the inputs (session 20, commit f0f2daf, removed after): on an H100 at n=4
     # every TMA row lost. stream_bwd 1.470-2.643 ms on 9 blocks (32/16/2 warps 1.819) against 1.026; coef_premix
     # 0.831-1.022 on 6 blocks against 0.670; coef_premix_pre 0.364-0.489 on 4 against 0.338.
