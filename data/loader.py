@@ -108,6 +108,7 @@ class TokenLoader:
         self._consumed = self._initial_state()
         self._ready = None      # (x, y, event, state) of the batch already copied to the device
         self._thread = None
+        self._closed = False
         self._start_producer(self._consumed)
 
     # ----- the order: a pure function of the state -----
@@ -228,6 +229,8 @@ class TokenLoader:
             self._thread = None
 
     def _next_cpu(self):
+        if self._closed:  # the queue may still hold prefetched batches, then nothing: a get() would wait forever
+            raise RuntimeError("TokenLoader: next_batch() after close() (hint: load_state_dict() restarts it)")
         if self.prefetch == 0:
             item = self._produce_one(self._producer_state)
             self._producer_state = item[1]
@@ -285,6 +288,7 @@ class TokenLoader:
     def state_dict(self) -> dict:
         return {"format": STATE_FORMAT, "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
                 "seq_len": self.seq_len, "files": [Path(f).name for f in self.files],
+                "shard_tokens": [len(t) for t in self.tokens],
                 "pass": self._consumed["pass"], "draws": self._consumed["draws"],
                 "cursors": list(self._consumed["cursors"])}
 
@@ -292,24 +296,47 @@ class TokenLoader:
         mine = self.state_dict()
         if d.get("format") == 1 and self.world_size == 1:  # one rank's order is the same in both formats
             d = {**d, "format": STATE_FORMAT}
-        for key in ("format", "seed", "rank", "world_size", "seq_len", "files"):
-            if d.get(key) != mine[key]:
-                raise ValueError(f"TokenLoader.load_state_dict: state has {key}={d.get(key)!r} but this loader has "
-                                 f"{mine[key]!r} (hint: resume with the same data, seed, seq_len and world size)")
+        if d.get("format") == 1:
+            raise ValueError("TokenLoader.load_state_dict: the state was written by an older loader, whose split of "
+                             "the blocks among ranks differs, so it cannot resume on several ranks (hint: resume it on "
+                             "one rank, or start a new run)")
+        if "shard_tokens" not in d:  # a state from before the sizes were saved: the names are all it can check
+            mine.pop("shard_tokens")
+        for key in ("format", "seed", "rank", "world_size", "seq_len", "files", "shard_tokens"):
+            if key in mine and d.get(key) != mine[key]:
+                raise ValueError(f"TokenLoader.load_state_dict: state has {key}={_short(d.get(key))} but this loader "
+                                 f"has {_short(mine[key])} (hint: resume with the same data, seed, seq_len and world "
+                                 "size; shards rebuilt under the same names are other data)")
+        consumed = {"pass": int(d["pass"]), "draws": int(d["draws"]), "cursors": [int(c) for c in d["cursors"]]}
+        counts = [sp.count for sp in self._pass(consumed["pass"])]
+        if len(consumed["cursors"]) != len(counts) or not all(0 <= c <= n for c, n in zip(consumed["cursors"], counts)):
+            raise ValueError(f"TokenLoader.load_state_dict: cursors {_short(consumed['cursors'])} do not fit this "
+                             f"rank's blocks per shard in pass {consumed['pass']} ({_short(counts)}) (hint: the state "
+                             "is of other shards)")
         self._stop_producer()
         self._ready = None
-        self._consumed = {"pass": int(d["pass"]), "draws": int(d["draws"]), "cursors": [int(c) for c in d["cursors"]]}
+        self._closed = False
+        self._consumed = consumed
         self._start_producer(self._consumed)
 
     def close(self) -> None:
+        """Stops the prefetch thread; next_batch() then refuses (load_state_dict starts the loader again)."""
         self._stop_producer()
         self._ready = None
+        self._closed = True
 
     def __enter__(self) -> "TokenLoader":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _short(value, most: int = 8) -> str:
+    """A state field for a message: lists of hundreds of shards cut to their first entries."""
+    if isinstance(value, list) and len(value) > most:
+        return repr(value[:most])[:-1] + f", ... ({len(value)} in all)]"
+    return repr(value)
 
 
 def load_tokens(files: list[str], max_tokens: int = 0) -> np.ndarray:

@@ -263,6 +263,12 @@ def test_a_resume_with_other_optimizer_settings_is_refused(tmp_path):
             load_checkpoint(path, *fresh(override), Cursor(), rank=0, world_size=1)
     assert load_checkpoint(path, *fresh(), Cursor(), rank=0, world_size=1).step == 3
 
+    class OtherShards(Cursor):
+        def load_state_dict(self, state):
+            raise ValueError("TokenLoader.load_state_dict: state has shard_tokens=[9000] but this loader has [1000]")
+    with pytest.raises(CheckpointError, match=r"step_00000003.*: TokenLoader.load_state_dict: state has shard_tokens"):
+        load_checkpoint(path, *fresh(), OtherShards(), rank=0, world_size=1)  # one line, not a traceback
+
 
 def in_process(corpus, tmp_path, run_id, *extra) -> list[str]:
     """train.py's arguments for train.main in this process (its signal handlers then see os.kill of this pid)."""

@@ -193,6 +193,39 @@ def test_state_from_another_setup_is_refused(shards):
             b.load_state_dict(state)
 
 
+def test_a_state_of_other_shards_under_the_same_names_is_refused(shards, tmp_path):
+    """Found by a review: the state named its shards only, so shards rebuilt under the same names (another
+    --shard-tokens, another corpus) resumed silently, cursors past a shard's new end skipping the rest of the pass."""
+    files, _ = shards
+    with TokenLoader(files, 16, batch_seqs=8, seed=2, prefetch=0) as a:
+        take(a, 30)
+        state = a.state_dict()
+    write_shard(files[0], np.arange(1000))  # the same name, other data
+    with TokenLoader(files, 16, batch_seqs=8, seed=2, prefetch=0) as b:
+        with pytest.raises(ValueError, match=r"state has shard_tokens=\[9000, .* but this loader has \[1000, "
+                                             r".*shards rebuilt under the same names are other data"):
+            b.load_state_dict(state)
+        old = {k: v for k, v in state.items() if k != "shard_tokens"}  # a state from before the sizes were saved
+        with pytest.raises(ValueError, match=r"cursors \[.*\] do not fit this rank's blocks per shard in pass 0"):
+            b.load_state_dict({**old, "cursors": [10_000] + old["cursors"][1:]})
+        b.load_state_dict({**old, "cursors": [0] * len(files)})  # names alone and cursors that fit: accepted
+        take(b, 2)
+
+
+def test_an_old_state_on_several_ranks_and_a_closed_loader_are_refused(shards):
+    files, _ = shards
+    with TokenLoader(files, 16, batch_seqs=4, seed=2, prefetch=2, rank=1, world_size=2) as a:
+        state = a.state_dict()
+        with pytest.raises(ValueError, match="written by an older loader.*cannot resume on several ranks"):
+            a.load_state_dict({**state, "format": 1})
+        take(a, 1)
+    with pytest.raises(RuntimeError, match=r"next_batch\(\) after close\(\)"):  # used to wait forever
+        a.next_batch()
+    a.load_state_dict(state)  # restarts it
+    assert a.next_batch()[0].shape == (4, 16)
+    a.close()
+
+
 def test_outputs_are_int64_on_device(shards):
     files, _ = shards
     with TokenLoader(files, 16, batch_seqs=3, prefetch=1, device="cpu") as loader:

@@ -276,7 +276,10 @@ def load_checkpoint(path: Path, model, optimizers, ema, loader, rank: int, world
             raise CheckpointError(f"{path}: trained with {key}={theirs} in group {group!r}, this run's config gives "
                              f"{mine} (hint: resume with the run's optim.* settings; a checkpoint continues the "
                              "run it belongs to)")
-    loader.load_state_dict(own["loader"])
+    try:
+        loader.load_state_dict(own["loader"])
+    except ValueError as e:  # the data moved under the run (other shards, or the same names over other data)
+        raise CheckpointError(f"{path}: {e}") from None
     torch.set_rng_state(own["rng_cpu"])
     if "rng_cuda" in own and torch.cuda.is_available():
         torch.cuda.set_rng_state(own["rng_cuda"])
