@@ -235,7 +235,9 @@ def download(variant: str, train_shards: int, out_dir: Path, repo_id: str = REPO
     # arrived. The loaders refuse a pattern that matches an expected shard still missing (data.shards.list_shards).
     command = shlex.join(["python", "-m", "data.download", "--variant", variant, "--train-shards", str(train_shards),
                           "--out", str(out_dir), "--repo-id", repo_id])
-    folders = {item.local.parent for _, item in missing if item.kind in ("train", "val")}
+    # Every shard folder of the plan, also one with nothing missing: a marker an earlier, larger request left there
+    # would otherwise outlive this complete download and refuse its shards (found by a review).
+    folders = {item.local.parent for item in plan if item.kind in ("train", "val")}
     for folder in sorted(folders):
         expected = sorted(item.local.name for item in plan if item.local.parent == folder)
         write_atomic(folder / DOWNLOAD_MARKER, (json.dumps({"command": command, "files": expected}) + "\n").encode())

@@ -210,3 +210,10 @@ def test_a_pattern_that_an_unfinished_download_leaves_short_is_refused_until_it_
     (folder / DOWNLOAD_MARKER).write_text("garbage")  # unreadable: the folder is in doubt
     with pytest.raises(ShardError, match=r"has not finished fetching this folder: the pattern would read part"):
         list_shards(str(folder / "fineweb_val_*.bin"))
+    # A larger request that failed, then a smaller one that finds all it asks for in place: the smaller one's
+    # success clears the larger one's marker (found by a review: it stayed and refused the shards)
+    hub.fail_always = {"datasets/datasets/fineweb10B_sp1024/fineweb_train_000002.bin"}
+    with pytest.raises(RuntimeError, match="could not download"):
+        dl.download("sp1024", 3, out, retries=1)
+    dl.download("sp1024", 2, out, retries=1)
+    assert not (folder / DOWNLOAD_MARKER).exists() and len(list_shards(str(folder / "fineweb_train_*.bin"))) == 2
