@@ -1,4 +1,4 @@
-"""Training and validation token streams over memory-mapped shards.
+"""The training token stream over memory-mapped shards, and the validation split's tokens (load_tokens).
 
 Training order. A pass splits every shard into blocks of seq_len + 1 tokens (inputs and their
 shifted targets; consecutive blocks share one token, so every target token after the phase offset is
@@ -23,7 +23,6 @@ import math
 import os
 import queue
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -354,26 +353,3 @@ def load_tokens(files: list[str], max_tokens: int = 0) -> np.ndarray:
             break
     tokens = np.concatenate(parts)
     return tokens[:max_tokens] if max_tokens else tokens
-
-
-def validation_batches(files: list[str], seq_len: int, batch_seqs: int, rank: int = 0,
-                       world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Non-overlapping windows over the validation split, in order; int64 CPU tensors.
-
-    Window i has inputs tokens[i*L : (i+1)*L] and targets one token later, so targets 1..N-1 are each
-    scored once. Rank r takes the contiguous windows [r*n/W, (r+1)*n/W); the last rank also gets the
-    final partial window (shape [1, leftover]) so that together the ranks cover the split exactly once.
-    """
-    tokens = load_tokens(files)
-    n_windows = (len(tokens) - 1) // seq_len
-    lo, hi = rank * n_windows // world_size, (rank + 1) * n_windows // world_size
-    for first in range(lo, hi, batch_seqs):
-        last = min(first + batch_seqs, hi)
-        block = torch.from_numpy(tokens[first * seq_len:last * seq_len + 1].astype(np.int64))
-        x = block[:-1].view(last - first, seq_len)
-        y = block[1:].reshape(last - first, seq_len)
-        yield x, y
-    leftover = len(tokens) - 1 - n_windows * seq_len
-    if rank == world_size - 1 and leftover > 0:
-        tail = torch.from_numpy(tokens[n_windows * seq_len:].astype(np.int64))
-        yield tail[:-1].view(1, leftover), tail[1:].reshape(1, leftover)

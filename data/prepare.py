@@ -25,7 +25,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -117,15 +117,18 @@ def _swap_in(staging: Path, out_dir: Path, old: list[Path]) -> None:
 
 class HeldOut:
     """Keeps training documents out of the validation split's text: remembers a digest of every validation
-    document as it passes and drops training documents with the same text (counted in the manifest)."""
+    document as it passes and drops training documents with the same text (counted in the manifest). The text is
+    compared as the tokenizer sees it (`normalize`: the tokenizer's nmt_nfkc normalization), so a copy that differs
+    in runs of spaces, tabs, leading or trailing whitespace or compatibility characters, which encodes to the same
+    ids, is a copy (found by a review: raw text let such copies into training)."""
 
-    def __init__(self):
+    def __init__(self, normalize: Callable[[str], str] = lambda text: text):
         self.digests: set[bytes] = set()
         self.dropped = 0
+        self.normalize = normalize
 
-    @staticmethod
-    def _digest(text: str) -> bytes:
-        return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    def _digest(self, text: str) -> bytes:
+        return hashlib.blake2b(self.normalize(text).encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
     def remember(self, texts: Iterable[str]) -> Iterator[str]:
         for text in texts:
@@ -161,7 +164,7 @@ def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: st
     if sp.get_piece_size() > 65536:
         raise ValueError(f"{tokenizer}: vocab size {sp.get_piece_size()} does not fit uint16 shards")
     build_byte_lut(tokenizer)  # its checks (BOS at id 1, a space piece) before any worker starts
-    held_out = HeldOut()
+    held_out = HeldOut(sp.normalize)
     splits = {name: held_out.remember(texts) if name == "val" else held_out.drop_seen(texts)
               for name, texts in sorted(splits.items(), key=lambda kv: kv[0] != "val")}  # val first
     out = Path(out_dir)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from data import loader as loader_module
-from data.loader import TokenLoader, load_tokens, validation_batches
+from data.loader import TokenLoader, load_tokens
 from data.shards import ShardError, write_shard
 
 SHARD_BASE = 10_000  # token value = shard * SHARD_BASE + position: every row's first token names its block
@@ -274,22 +274,6 @@ def test_load_tokens_max_tokens_takes_a_prefix_and_skips_later_shards(shards, mo
     assert np.array_equal(load_tokens(files[:3], max_tokens=10 * len(whole)), whole)  # a cap past the end: all
     with pytest.raises(ValueError, match="max_tokens=-1"):
         load_tokens(files[:3], max_tokens=-1)
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_validation_batches_cover_split_once_in_order(shards, world_size):
-    files, sizes = shards
-    files = files[:2]
-    n = sizes[0] + sizes[1]
-    targets = []
-    for rank in range(world_size):
-        for x, y in validation_batches(files, seq_len=100, batch_seqs=7, rank=rank, world_size=world_size):
-            assert x.shape == y.shape and x.shape[0] <= 7 and x.dtype == torch.int64
-            assert torch.equal(x.flatten()[1:], y.flatten()[:-1])
-            targets.extend(y.flatten().tolist())
-    expected = load_tokens(files)[1:].astype(np.int64).tolist()
-    assert targets == expected  # every target once, ranks in order, contiguous
-    assert len(targets) == n - 1
 
 
 @pytest.mark.gpu
