@@ -153,7 +153,12 @@ def allocate_lagrangian(options: dict[str, dict[int, tuple[float, int]]], size_o
     """Returns (bits per matrix, artifact bytes, the search log); options[name] = {bits: (error, chunk bytes)}.
 
     Downgrades along each matrix's hull path, cheapest error per saved byte first, until the chunk
-    bytes say it fits; then the real artifact is measured, and the walk goes on while it is over.
+    bytes say it fits; then the real artifact is measured, and the walk goes on while it is over. Where it stops
+    has the least error of all assignments that use no more bytes. But the step that crossed the budget may free
+    far more than was over (a large matrix's), and those bytes would go unused (found by a review: 50 bytes taken
+    for a 5-byte overshoot). So two repairs follow, each measured and kept only if the artifact fits with less
+    error: the last step undone and the walk finished without it (`instead_of_last_step`), then the bytes still
+    left under the budget spent on steps back up (`fill_slack`). Probes of the repairs log error_per_byte -1.
     """
     if not options:
         raise ValueError("no matrices to allocate bits to")
@@ -177,8 +182,17 @@ def allocate_lagrangian(options: dict[str, dict[int, tuple[float, int]]], size_o
             (e_hi, b_hi), (e_lo, b_lo) = options[name][path[i]], options[name][path[i + 1]]
             heapq.heappush(heap, ((e_lo - e_hi) / (b_hi - b_lo), name))
 
+    def walk(heap: list, estimate: int) -> tuple[str, int, float]:
+        """Takes the heap's cheapest step: (its matrix, the estimate after it, its error per saved byte)."""
+        slope, name = heapq.heappop(heap)
+        i = position[name]
+        estimate -= options[name][paths[name][i]][1] - options[name][paths[name][i + 1]][1]
+        position[name] = i + 1
+        push(heap, name)
+        return name, estimate, slope
+
     size = measure(0.0)
-    estimate = size
+    estimate, last = size, None
     heap: list = []
     for name in sorted(paths):
         push(heap, name)
@@ -187,11 +201,65 @@ def allocate_lagrangian(options: dict[str, dict[int, tuple[float, int]]], size_o
             raise BudgetError(f"even the narrowest widths make a {size}-byte artifact, over the budget of "
                               f"{budget_bytes} bytes by {size - budget_bytes} bytes; hint: shrink the model, "
                               "or allow int4 with quant.min_bits=4")
-        slope, name = heapq.heappop(heap)
-        i = position[name]
-        estimate -= options[name][paths[name][i]][1] - options[name][paths[name][i + 1]][1]
-        position[name] = i + 1
-        push(heap, name)
+        last, estimate, slope = walk(heap, estimate)
         if estimate <= budget_bytes or not heap:
             size = estimate = measure(slope)
+    if last is not None:
+        size = instead_of_last_step(last, size, budget_bytes, paths, position, options, push, walk, measure)
+    size = fill_slack(paths, position, options, size, budget_bytes, measure)
     return current(), size, probes
+
+
+def _error(paths: dict[str, list[int]], position: dict[str, int], options: dict) -> float:
+    return sum(options[name][paths[name][i]][0] for name, i in position.items())
+
+
+def instead_of_last_step(last: str, size: int, budget_bytes: int, paths: dict[str, list[int]],
+                         position: dict[str, int], options: dict, push, walk, measure) -> int:
+    """Undoes `last`'s step and walks on along the other matrices' steps until the estimate fits; measured and kept
+    when that has less error and fits, else the walk's stop is restored. Returns the size of what is kept."""
+    kept = dict(position)
+    i = position[last] = position[last] - 1
+    estimate = size + options[last][paths[last][i]][1] - options[last][paths[last][i + 1]][1]
+    heap: list = []
+    for name in sorted(paths):
+        if name != last:
+            push(heap, name)
+    while estimate > budget_bytes and heap:
+        _, estimate, _ = walk(heap, estimate)
+    if estimate <= budget_bytes and _error(paths, position, options) < _error(paths, kept, options):
+        measured = measure(-1.0)
+        if measured <= budget_bytes:
+            return measured
+    position.update(kept)
+    return size
+
+
+FILL_PROBES = 8  # artifacts measured at most while filling the slack (each is a full build on real models)
+
+
+def fill_slack(paths: dict[str, list[int]], position: dict[str, int], options: dict, size: int, budget_bytes: int,
+               measure: Callable[[float], int]) -> int:
+    """Moves matrices back up their hull paths while the estimate says the step fits in what the budget has left,
+    most error saved per byte first; a step whose measured artifact is over is undone, and no step as large is
+    tried after it. Returns the final size."""
+    def back_step(name: str) -> tuple[float, int]:  # (error saved, bytes added) by going one width back
+        (e_now, b_now), (e_up, b_up) = (options[name][paths[name][position[name] + d]] for d in (0, -1))
+        return e_now - e_up, b_up - b_now
+
+    limit = budget_bytes
+    for _ in range(FILL_PROBES):
+        steps = [(name, *back_step(name)) for name in sorted(paths) if position[name] > 0]
+        fitting = [(gain / cost, name, cost) for name, gain, cost in steps if 0 < cost and size + cost <= limit
+                   and gain > 0]
+        if not fitting:
+            break
+        _, name, cost = max(fitting)
+        position[name] -= 1
+        measured = measure(-1.0)
+        if measured <= budget_bytes:
+            size = measured
+        else:  # the estimate was short of the real artifact
+            position[name] += 1
+            limit = min(limit, size + cost - 1)
+    return size
