@@ -198,9 +198,12 @@ def allocate_lagrangian(options: dict[str, dict[int, tuple[float, int]]], size_o
         push(heap, name)
     while size > budget_bytes:
         if not heap:
-            raise BudgetError(f"even the narrowest widths make a {size}-byte artifact, over the budget of "
-                              f"{budget_bytes} bytes by {size - budget_bytes} bytes; hint: shrink the model, "
-                              "or allow int4 with quant.min_bits=4")
+            narrowest = min(min(path) for path in paths.values())
+            lever = ("or allow int4 with quant.min_bits=4" if narrowest > FALLBACK_BITS else
+                     "or store fewer tensors as tables, with fewer bits (quant.table_bits, quant.phi_bits)")
+            raise BudgetError(f"even the narrowest widths (int{narrowest}) make a {size}-byte artifact, over the "
+                              f"budget of {budget_bytes} bytes by {size - budget_bytes} bytes; hint: shrink the "
+                              f"model, {lever}")
         last, estimate, slope = walk(heap, estimate)
         if estimate <= budget_bytes or not heap:
             size = estimate = measure(slope)

@@ -155,6 +155,11 @@ def collect_output_fisher(model: nn.Module, modules: dict[str, nn.Linear], calib
     missing = [name for name, n in counts.items() if n == 0]
     if missing:
         raise RuntimeError(f"no gradient reached the outputs of {missing[:5]}; hint: are they on the loss path?")
+    # A NaN weight would make that matrix's error NaN, and the allocators' orderings undefined (found by a review)
+    broken = [name for name in modules if not torch.isfinite(sums[name]).all()]
+    if broken:
+        raise ValueError(f"Fisher weights of {broken[:5]} hold NaN or Inf (the loss gradient overflowed on the "
+                         "calibration batches); hint: error_weight='output' needs no backward pass")
     return {name: sums[name] / counts[name] for name in modules}
 
 

@@ -32,7 +32,7 @@ from data.files import write_atomic
 from quant.allocate import FALLBACK_BITS, HIGH_BITS, LOW_BITS, allocate_bits, allocate_lagrangian, allocation_log
 from quant.calibrate import collect_hessians, collect_output_fisher
 from quant.container import ChunkCache, build_artifact, check_meta, dequantize_state, parse_artifact
-from quant.gptq import gptq_quantize, row_errors, rtn_quantize
+from quant.gptq import FP16_MAX, gptq_quantize, row_errors, rtn_quantize
 from quant.options import ALLOCATORS, ERROR_WEIGHTS, METHODS, MIN_BITS, OBSERVED_BITS, TABLE_BITS
 from quant.pack import QuantizedTensor
 
@@ -105,9 +105,11 @@ def _refuse_non_finite(state: dict[str, torch.Tensor]) -> None:
 
 
 def small_tensor(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor stored as is: fp32 when small (or past fp16's range, which would make it Inf), else fp16."""
     t = tensor.detach().cpu()
     if t.is_floating_point():
-        return t.float().numpy().astype(np.float32 if t.numel() <= FP32_MAX_NUMEL else np.float16)
+        wide = t.numel() <= FP32_MAX_NUMEL or bool(t.abs().max() > FP16_MAX)
+        return t.float().numpy().astype(np.float32 if wide else np.float16)
     return t.numpy().copy()
 
 

@@ -195,6 +195,8 @@ def test_small_tensor_rule_is_by_size():
     assert small_tensor(torch.ones(FP32_MAX_NUMEL)).dtype == np.float32
     assert small_tensor(torch.ones(FP32_MAX_NUMEL + 1)).dtype == np.float16
     assert small_tensor(torch.arange(3)).dtype == np.int64
+    big = small_tensor(torch.full((FP32_MAX_NUMEL + 1,), 7e4))  # past fp16's range: kept in fp32, not made Inf
+    assert big.dtype == np.float32 and np.isfinite(big).all()
 
 
 def test_export_int4_fallback_ships_what_int5_cannot(tmp_path, model):

@@ -28,6 +28,16 @@ def test_output_fisher_weights_every_linear_and_leaves_no_gradients():
     assert any(weighted[n]["err5"] != pytest.approx(plain[n]["err5"], rel=1e-2) for n in plain)
 
 
+def test_fisher_weights_that_are_not_finite_are_named():
+    from quant.calibrate import collect_output_fisher
+    from quant.export import plan_tensors
+    model = mhc_model()
+    plan = plan_tensors(model)
+    next(iter(plan.linears.values())).register_forward_hook(lambda m, i, out: out * float("inf"))  # an overflow
+    with pytest.raises(ValueError, match=r"Fisher weights of \[.*\] hold NaN or Inf .*hint: error_weight='output'"):
+        collect_output_fisher(model, plan.linears, batches())
+
+
 def test_fisher_weights_need_a_model_that_returns_its_loss(tmp_path):
     from test_quant_export import TinyGPT  # forward(ids) returns logits only
     with pytest.raises(TypeError, match="must return the scalar mean loss"):

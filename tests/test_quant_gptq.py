@@ -95,6 +95,12 @@ def test_bad_inputs_are_refused():
         rtn_quantize(torch.tensor([[float("nan"), 1.0]]), 6)
     with pytest.raises(ValueError, match="2-D"):
         rtn_quantize(torch.randn(3), 6)
+    huge = torch.randn(2, 8)
+    huge[1, 3] = 1e7  # its row scale would be clamped to fp16's largest, clipping the weight to 2.03e6 in silence
+    with pytest.raises(ValueError, match=r"magnitude 1e\+07 is past what an fp16 row scale can hold at int6"):
+        rtn_quantize(huge, 6)
+    with pytest.raises(ValueError, match="past what an fp16 row scale can hold at int5"):
+        gptq_quantize(huge, torch.eye(8), bits_list=(5,))
 
 
 class TwoLinears(nn.Module):

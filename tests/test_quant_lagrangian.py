@@ -90,7 +90,11 @@ def test_walk_goes_on_while_the_measured_size_is_over():
 
 def test_budget_error_when_even_the_narrowest_is_over():
     options = {"a": {4: (3.0, 100), 5: (1.0, 120)}}
-    with pytest.raises(BudgetError, match="over the budget of 50 bytes by 50"):
+    with pytest.raises(BudgetError, match=r"narrowest widths \(int4\) .*over the budget of 50 bytes by 50.*hint: "
+                                          r"shrink the model, or store fewer tensors as tables"):
+        allocate_lagrangian(options, lambda bits: sum(options[n][b][1] for n, b in bits.items()), 50)
+    options = {"a": {5: (1.0, 120), 6: (0.5, 150)}}  # int4 not among the widths: the hint offers it
+    with pytest.raises(BudgetError, match=r"\(int5\) .*hint: shrink the model, or allow int4 with quant.min_bits=4"):
         allocate_lagrangian(options, lambda bits: sum(options[n][b][1] for n, b in bits.items()), 50)
     with pytest.raises(ValueError, match="no matrices"):
         allocate_lagrangian({}, lambda bits: 0, 10)

@@ -132,6 +132,7 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
             seconds = time.perf_counter() - t0
             log(f"phase quantize+export {seconds:.1f} s (calibration data {t_calib_data:.1f} s; "
                 f"reserve {cfg.quant.calib_reserve_s} s)")
+        if "export_error" not in report:  # a failed export has no calibration timing (its line would understate it)
             calib_total = t_calib_data + report.get("calib_s", 0.0)
             within = calibration_within_budget(cfg, calib_total, train_time_s, log)
     if rank == 0 and "export_error" not in report:
