@@ -92,14 +92,18 @@ def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
         yield chunk
 
 
-def _old_outputs(out_dir: Path, overwrite: bool) -> list[Path]:
+def _old_outputs(out_dir: Path, overwrite: bool, tokenizer: str) -> list[Path]:
     """The shards and manifest already in out_dir: refused up front without overwrite, else replaced only
-    once the new set is complete (so a bad input or an interruption keeps the old set)."""
+    once the new set is complete (so a bad input or an interruption keeps the old set). A tokenizer.model/.vocab
+    that an earlier run shipped into out_dir goes with them, unless it is the tokenizer this run reads: left beside
+    shards of another tokenizer, it is the one a user would reach for (found by a review)."""
     old = sorted(out_dir.glob("fineweb_*.bin")) + ([out_dir / "manifest.json"] if (out_dir / "manifest.json").exists() else [])
     if old and not overwrite:
         raise FileExistsError(f"{out_dir} already holds {len(old)} shard/manifest files (e.g. {old[0].name}); "
                               "mixing runs would corrupt the split (hint: pass --overwrite or choose an empty --out)")
-    return old
+    reading = {Path(tokenizer).resolve(), Path(tokenizer).with_suffix(".vocab").resolve()}
+    shipped = [out_dir / f"tokenizer{suffix}" for suffix in (".model", ".vocab")]
+    return old + [f for f in shipped if old and f.exists() and f.resolve() not in reading]
 
 
 def _swap_in(staging: Path, out_dir: Path, old: list[Path]) -> None:
@@ -169,7 +173,7 @@ def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: st
               for name, texts in sorted(splits.items(), key=lambda kv: kv[0] != "val")}  # val first
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    old = _old_outputs(out, overwrite)
+    old = _old_outputs(out, overwrite, tokenizer)
     for leftover in out.glob(".staging-*"):  # what a killed run (SIGKILL: no finally) staged, maybe gigabytes
         shutil.rmtree(leftover, ignore_errors=True)
     workers = workers or os.cpu_count() or 1
