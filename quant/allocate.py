@@ -19,6 +19,10 @@ step costs least error per parameter, d = (E4 - E5) / numel, are demoted to int4
 the artifact fit (again a measured bisection). int5/int6 stays the recipe; int4 is only ever used to
 ship instead of failing, and the log says how many matrices it took.
 
+Either search stops at a prefix of its order: the next matrix does not fit, but smaller ones after it may. Given
+each matrix's own chunk size, the bytes left under the budget are filled in the same order (int4 matrices back to
+int5, costliest demotion first; else int5 matrices to int6, most sensitive first), each step measured.
+
 Lagrangian allocation (quant.allocator = lagrangian): every width from min_bits to int6 is a candidate,
 priced by its own measured bytes (each tensor is its own compressed chunk, so bytes add up) and its
 error E_b. The candidates of one matrix that lie on the lower convex hull of (bytes, E) form a path
@@ -35,6 +39,7 @@ from collections.abc import Callable
 
 LOW_BITS, HIGH_BITS = 5, 6
 FALLBACK_BITS = 4
+FILL_PROBES = 8  # artifacts built at most while filling what an allocation leaves under the budget (full builds)
 
 
 class BudgetError(ValueError):
@@ -52,15 +57,58 @@ def assignment(order: list[str], k: int, bits: int = HIGH_BITS) -> dict[str, int
 
 
 def allocate_bits(sensitivity: dict[str, float], size_of: Callable[[dict[str, int]], int],
-                  budget_bytes: int, demotion_cost: dict[str, float] | None = None
-                  ) -> tuple[dict[str, int], int, list[dict]]:
+                  budget_bytes: int, demotion_cost: dict[str, float] | None = None,
+                  chunk_size: Callable[[str, int], int] | None = None) -> tuple[dict[str, int], int, list[dict]]:
     """Returns (bits per matrix, artifact bytes of that choice, the search log).
 
     `demotion_cost` (per matrix, (E4 - E5) / numel) enables the int4 fallback; without it an
     all-int5 artifact over the budget raises BudgetError.
     Assumes size grows with k (int6 chunks are larger than int5 ones); if a glitch broke that, the
     result would still fit (only measured sizes are accepted) but might not be the largest k.
+    With `chunk_size(name, bits)` (a matrix's own compressed chunk), the bytes the prefix leaves under the budget
+    are then filled (`fill_in_order`): the prefix stops at the first matrix that does not fit, but smaller ones
+    after it may.
     """
+    bits, size, probes = _allocate_prefix(sensitivity, size_of, budget_bytes, demotion_cost)
+    if chunk_size is None:
+        return bits, size, probes
+    if any(b == FALLBACK_BITS for b in bits.values()):  # back to int5, the costliest demotions first
+        order = sorted(demotion_cost, key=lambda name: (-demotion_cost[name], name))
+        order, up = [name for name in order if bits[name] == FALLBACK_BITS], LOW_BITS
+    else:  # on to int6, the most sensitive first
+        order, up = [name for name in rank_by_sensitivity(sensitivity) if bits[name] == LOW_BITS], HIGH_BITS
+    size = fill_in_order(bits, size, order, up, chunk_size, size_of, budget_bytes, probes)
+    return bits, size, probes
+
+
+def fill_in_order(bits: dict[str, int], size: int, order: list[str], up: int, chunk_size: Callable[[str, int], int],
+                  size_of: Callable[[dict[str, int]], int], budget_bytes: int, probes: list[dict]) -> int:
+    """Moves matrices of `order` to `up` bits, in that order, where their chunks' growth fits in what the budget has
+    left; each is measured and undone if the artifact is over (no step as large is tried after that). At most
+    FILL_PROBES artifacts are built. Changes `bits` in place; returns the final size."""
+    limit, built = budget_bytes, 0
+    for name in order:
+        if built == FILL_PROBES:
+            break
+        old = bits[name]
+        if size + chunk_size(name, up) - chunk_size(name, old) > limit:
+            continue
+        bits[name] = up
+        measured, built = int(size_of(bits)), built + 1
+        probes.append({"n_int6": sum(b == HIGH_BITS for b in bits.values()),
+                       "n_int4": sum(b == FALLBACK_BITS for b in bits.values()), "artifact_bytes": measured,
+                       "fits": measured <= budget_bytes, "fill": True})
+        if measured <= budget_bytes:
+            size = measured
+        else:
+            bits[name] = old
+            limit = min(limit, size + chunk_size(name, up) - chunk_size(name, old) - 1)
+    return size
+
+
+def _allocate_prefix(sensitivity: dict[str, float], size_of: Callable[[dict[str, int]], int],
+                     budget_bytes: int, demotion_cost: dict[str, float] | None) -> tuple[dict[str, int], int, list[dict]]:
+    """int6 for the largest prefix of the sensitivity ranking that fits, else int4 for the fewest cheapest."""
     if not sensitivity:
         raise ValueError("no matrices to allocate bits to")
     order = rank_by_sensitivity(sensitivity)
@@ -236,9 +284,6 @@ def instead_of_last_step(last: str, size: int, budget_bytes: int, paths: dict[st
             return measured
     position.update(kept)
     return size
-
-
-FILL_PROBES = 8  # artifacts measured at most while filling the slack (each is a full build on real models)
 
 
 def fill_slack(paths: dict[str, list[int]], position: dict[str, int], options: dict, size: int, budget_bytes: int,

@@ -233,7 +233,9 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
         options = {n: {b: (details[n][f"err{b}"], nbytes[n][b]) for b in candidates[n]} for n in candidates}
         bits, size, probes = allocate_lagrangian(options, size_of, budget_bytes)
     else:
-        bits, size, probes = allocate_bits(sensitivity, size_of, budget_bytes, demotion)
+        def chunk_size(name: str, bits: int) -> int:  # one matrix's compressed chunk (cached, as the probes built it)
+            return len(cache.get([(name, candidates[name][bits])], codec, layout, 1)[0][1])
+        bits, size, probes = allocate_bits(sensitivity, size_of, budget_bytes, demotion, chunk_size)
     timings["alloc_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
