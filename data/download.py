@@ -24,6 +24,7 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -235,19 +236,55 @@ def download(variant: str, train_shards: int, out_dir: Path, repo_id: str = REPO
     # arrived. The loaders refuse a pattern that matches an expected shard still missing (data.shards.list_shards).
     command = shlex.join(["python", "-m", "data.download", "--variant", variant, "--train-shards", str(train_shards),
                           "--out", str(out_dir), "--repo-id", repo_id])
-    # Every shard folder of the plan, also one with nothing missing: a marker an earlier, larger request left there
-    # would otherwise outlive this complete download and refuse its shards (found by a review).
-    folders = {item.local.parent for item in plan if item.kind in ("train", "val")}
+    folders = {item.local.parent for _, item in missing if item.kind in ("train", "val")}
+    for folder in sorted({item.local.parent for item in plan if item.kind in ("train", "val")} - folders):
+        clear_stale_marker(folder)  # all this request needs is there: a failed earlier request's marker goes
     for folder in sorted(folders):
         expected = sorted(item.local.name for item in plan if item.local.parent == folder)
-        write_atomic(folder / DOWNLOAD_MARKER, (json.dumps({"command": command, "files": expected}) + "\n").encode())
+        write_atomic(folder / DOWNLOAD_MARKER, (json.dumps({"command": command, "files": expected, "pid": os.getpid(),
+                                                           "host": socket.gethostname()}) + "\n").encode())
     for i, item in missing:
         fetch(repo_id, item, hub[item.remote], staging, retries, verified)
         print(f"[{i}/{len(plan)}] got {item.local} ({hub[item.remote].size:,} bytes)", flush=True)
     for folder in folders:
-        (folder / DOWNLOAD_MARKER).unlink()
-    shutil.rmtree(staging, ignore_errors=True)
+        (folder / DOWNLOAD_MARKER).unlink(missing_ok=True)
+    if missing:  # only a request that fetched used the staging folder (another may be fetching through it now)
+        shutil.rmtree(staging, ignore_errors=True)
     return [item.local for item in plan]
+
+
+def clear_stale_marker(folder: Path) -> None:
+    """Removes the marker of a request that stopped before it had every shard (found by a review: it outlived a
+    later, smaller request that found all it asked for, and refused its shards), but not the marker of a download
+    still running on this machine, nor one of another machine, which this one cannot check."""
+    marker = folder / DOWNLOAD_MARKER
+    if not marker.exists():
+        return
+    try:
+        fields = json.loads(marker.read_text())
+        pid, host = int(fields["pid"]), str(fields["host"])
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable, or written before markers named their writer
+        pid, host = None, None
+    if pid is not None and pid != os.getpid():
+        if host != socket.gethostname():
+            print(f"{folder}: a data.download on {host} (pid {pid}) left its marker; it stays: remove "
+                  f"{DOWNLOAD_MARKER} if no download runs there", flush=True)
+            return
+        if _running(pid):
+            print(f"{folder}: data.download pid {pid} is still fetching into this folder; its marker stays until it "
+                  "is done", flush=True)
+            return
+    marker.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:

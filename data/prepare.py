@@ -27,6 +27,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -46,13 +47,35 @@ def _init_worker(model_path: str) -> None:
     _worker.update(sp=sp, lut=build_byte_lut(sp))
 
 
-def encode_chunk(texts: list[str]) -> tuple[np.ndarray, int, int, int]:
-    """(BOS + tokens of each document, concatenated as uint16; docs; decoded bytes; input bytes)."""
+class Encoded(NamedTuple):
+    """A chunk of documents, tokenized: BOS + the ids of each document, concatenated, and per document its token
+    count (BOS included), decoded bytes, input bytes, and a digest of its ids (the held-out check's key)."""
+    tokens: np.ndarray
+    lengths: np.ndarray
+    decoded: np.ndarray
+    raw: np.ndarray
+    digests: list[bytes]
+
+    def without(self, drop: np.ndarray) -> "Encoded":
+        """The chunk less the documents where `drop` is True."""
+        keep = ~drop
+        return Encoded(self.tokens[np.repeat(keep, self.lengths)], self.lengths[keep], self.decoded[keep],
+                       self.raw[keep], [d for d, k in zip(self.digests, keep) if k])
+
+
+def encode_chunk(texts: list[str]) -> Encoded:
     sp, lut = _worker["sp"], _worker["lut"]
     docs = sp.encode(texts)
     tokens = np.fromiter(itertools.chain.from_iterable([BOS_ID, *ids] for ids in docs), dtype=np.uint16)
-    decoded_bytes = int(count_target_bytes(tokens[:-1], tokens[1:], lut).sum()) if len(tokens) else 0
-    return tokens, len(texts), decoded_bytes, sum(len(t.encode("utf-8")) for t in texts)
+    lengths = np.array([len(ids) + 1 for ids in docs], dtype=np.int64)
+    # bytes of token j+1 given token j, and 0 for the token after the last: a document's share is its own tokens'
+    # bytes (the next document's BOS adds none)
+    per_token = np.append(count_target_bytes(tokens[:-1], tokens[1:], lut), 0) if len(tokens) else np.zeros(0)
+    starts = np.cumsum(lengths) - lengths
+    decoded = np.add.reduceat(per_token, starts) if len(docs) else np.zeros(0, dtype=np.int64)
+    raw = np.array([len(t.encode("utf-8")) for t in texts], dtype=np.int64)
+    digests = [hashlib.blake2b(np.asarray(ids, dtype=np.uint16).tobytes(), digest_size=16).digest() for ids in docs]
+    return Encoded(tokens, lengths, decoded.astype(np.int64), raw, digests)
 
 
 class ShardWriter:
@@ -95,15 +118,22 @@ def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
 def _old_outputs(out_dir: Path, overwrite: bool, tokenizer: str) -> list[Path]:
     """The shards and manifest already in out_dir: refused up front without overwrite, else replaced only
     once the new set is complete (so a bad input or an interruption keeps the old set). A tokenizer.model/.vocab
-    that an earlier run shipped into out_dir goes with them, unless it is the tokenizer this run reads: left beside
-    shards of another tokenizer, it is the one a user would reach for (found by a review)."""
-    old = sorted(out_dir.glob("fineweb_*.bin")) + ([out_dir / "manifest.json"] if (out_dir / "manifest.json").exists() else [])
+    that the old set's manifest says its run shipped into out_dir goes with them, unless it is the tokenizer this
+    run reads: left beside shards of another tokenizer, it is the one a user would reach for (found by a review).
+    A tokenizer the old manifest does not name as shipped (one the user put there) stays."""
+    manifest = out_dir / "manifest.json"
+    old = sorted(out_dir.glob("fineweb_*.bin")) + ([manifest] if manifest.exists() else [])
     if old and not overwrite:
         raise FileExistsError(f"{out_dir} already holds {len(old)} shard/manifest files (e.g. {old[0].name}); "
                               "mixing runs would corrupt the split (hint: pass --overwrite or choose an empty --out)")
+    try:
+        shipped = manifest.exists() and Path(json.loads(manifest.read_text())["tokenizer"]).resolve() == \
+            (out_dir / "tokenizer.model").resolve()
+    except (ValueError, KeyError, TypeError, OSError):  # not a manifest of ours: nothing is known to be shipped
+        shipped = False
     reading = {Path(tokenizer).resolve(), Path(tokenizer).with_suffix(".vocab").resolve()}
-    shipped = [out_dir / f"tokenizer{suffix}" for suffix in (".model", ".vocab")]
-    return old + [f for f in shipped if old and f.exists() and f.resolve() not in reading]
+    ours = [out_dir / f"tokenizer{suffix}" for suffix in (".model", ".vocab")] if shipped else []
+    return old + [f for f in ours if f.exists() and f.resolve() not in reading]
 
 
 def _swap_in(staging: Path, out_dir: Path, old: list[Path]) -> None:
@@ -120,31 +150,26 @@ def _swap_in(staging: Path, out_dir: Path, old: list[Path]) -> None:
 
 
 class HeldOut:
-    """Keeps training documents out of the validation split's text: remembers a digest of every validation
-    document as it passes and drops training documents with the same text (counted in the manifest). The text is
-    compared as the tokenizer sees it (`normalize`: the tokenizer's nmt_nfkc normalization), so a copy that differs
-    in runs of spaces, tabs, leading or trailing whitespace or compatibility characters, which encodes to the same
-    ids, is a copy (found by a review: raw text let such copies into training)."""
+    """Keeps training documents out of the validation split: remembers the ids of every validation document (a
+    digest, computed in the workers) and drops training documents that encode to the same ids (counted in the
+    manifest). Ids, not raw text: a copy that differs in runs of spaces, tabs, leading or trailing whitespace or
+    compatibility characters, which the tokenizer's normalization removes, is the same validation text to the
+    model (found by a review: raw text let such copies into training)."""
 
-    def __init__(self, normalize: Callable[[str], str] = lambda text: text):
+    def __init__(self):
         self.digests: set[bytes] = set()
         self.dropped = 0
-        self.normalize = normalize
 
-    def _digest(self, text: str) -> bytes:
-        return hashlib.blake2b(self.normalize(text).encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    def remember(self, chunk: Encoded) -> Encoded:
+        self.digests.update(chunk.digests)
+        return chunk
 
-    def remember(self, texts: Iterable[str]) -> Iterator[str]:
-        for text in texts:
-            self.digests.add(self._digest(text))
-            yield text
-
-    def drop_seen(self, texts: Iterable[str]) -> Iterator[str]:
-        for text in texts:
-            if self._digest(text) in self.digests:
-                self.dropped += 1
-                continue
-            yield text
+    def drop_seen(self, chunk: Encoded) -> Encoded:
+        drop = np.array([d in self.digests for d in chunk.digests], dtype=bool)
+        if not drop.any():
+            return chunk
+        self.dropped += int(drop.sum())
+        return chunk.without(drop)
 
 
 def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: str | os.PathLike, *,
@@ -168,9 +193,8 @@ def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: st
     if sp.get_piece_size() > 65536:
         raise ValueError(f"{tokenizer}: vocab size {sp.get_piece_size()} does not fit uint16 shards")
     build_byte_lut(tokenizer)  # its checks (BOS at id 1, a space piece) before any worker starts
-    held_out = HeldOut(sp.normalize)
-    splits = {name: held_out.remember(texts) if name == "val" else held_out.drop_seen(texts)
-              for name, texts in sorted(splits.items(), key=lambda kv: kv[0] != "val")}  # val first
+    held_out = HeldOut()
+    splits = dict(sorted(splits.items(), key=lambda kv: kv[0] != "val"))  # val first: its ids are held out
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     old = _old_outputs(out, overwrite, tokenizer)
@@ -192,7 +216,8 @@ def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: st
         with context.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer),)) as pool:
             for split, texts in splits.items():
                 writer = ShardWriter(staging, split, shard_tokens)
-                manifest["splits"][split] = _tokenize_split(pool, workers, texts, writer)
+                check = held_out.remember if split == "val" else held_out.drop_seen
+                manifest["splits"][split] = _tokenize_split(pool, workers, texts, writer, check)
         if "train" in splits and not manifest["splits"]["train"]["docs"]:
             raise ValueError("no training documents: the inputs hold none, or only copies of validation "
                              "documents; nothing was written (hint: check --input)")
@@ -210,16 +235,18 @@ def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: st
     return manifest
 
 
-def _tokenize_split(pool, workers: int, texts: Iterable[str], writer: ShardWriter) -> dict:
+def _tokenize_split(pool, workers: int, texts: Iterable[str], writer: ShardWriter,
+                    check: Callable[[Encoded], Encoded]) -> dict:
     totals = {"docs": 0, "tokens": 0, "bytes": 0, "input_bytes": 0}
     chunks = _chunks(texts)
     while window := list(itertools.islice(chunks, workers * CHUNKS_IN_FLIGHT)):
-        for tokens, docs, decoded, raw in pool.map(encode_chunk, window, chunksize=1):
-            writer.add(tokens)
-            totals["docs"] += docs
-            totals["tokens"] += len(tokens)
-            totals["bytes"] += decoded
-            totals["input_bytes"] += raw
+        for encoded in pool.map(encode_chunk, window, chunksize=1):
+            encoded = check(encoded)
+            writer.add(encoded.tokens)
+            totals["docs"] += len(encoded.lengths)
+            totals["tokens"] += len(encoded.tokens)
+            totals["bytes"] += int(encoded.decoded.sum())
+            totals["input_bytes"] += int(encoded.raw.sum())
     totals["shards"] = writer.finish()
     return totals
 

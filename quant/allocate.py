@@ -6,13 +6,15 @@ E_b is the mean squared error GPTQ leaves on the layer's output over the calibra
 in the same units for every matrix whatever its fan-in (trace(H) alone grows with input width and
 ignores both the weights and how well they fit the grid). Dividing by numel makes it the error saved
 per parameter upgraded: extra bytes for int6 are ~proportional to numel, so ranking by s is the
-greedy solution of "most error removed per byte", and the int6 set is a prefix of that ranking.
+greedy solution of "most error removed per byte", and the int6 set is a prefix of that ranking (then the bytes
+the prefix leaves are filled in the same order, below).
 Limitation: output error is not loss; a matrix whose outputs the network amplifies is not weighted
 more (that would need gradients).
 
 The budget is checked on real bytes: `size_of(bits_by_name)` builds the complete artifact (cached
 per-tensor chunks make this cheap) and returns its length. The search finds the largest prefix k that
-fits by bisection; every returned assignment has been measured, never estimated.
+fits by bisection; every returned assignment has been measured, never estimated (the fill below estimates which
+steps to try from chunk sizes, and keeps only measured ones).
 
 int4 fallback (quant.min_bits = 4): when even all-int5 is over the budget, the matrices whose int5 -> int4
 step costs least error per parameter, d = (E4 - E5) / numel, are demoted to int4, the fewest that make
@@ -69,23 +71,44 @@ def allocate_bits(sensitivity: dict[str, float], size_of: Callable[[dict[str, in
     are then filled (`fill_in_order`): the prefix stops at the first matrix that does not fit, but smaller ones
     after it may.
     """
+    size_of = KnownSizes(size_of)
     bits, size, probes = _allocate_prefix(sensitivity, size_of, budget_bytes, demotion_cost)
     if chunk_size is None:
         return bits, size, probes
+    # Only steps that lower the error (a matrix GPTQ fits no better at int6 has sensitivity <= 0)
     if any(b == FALLBACK_BITS for b in bits.values()):  # back to int5, the costliest demotions first
         order = sorted(demotion_cost, key=lambda name: (-demotion_cost[name], name))
-        order, up = [name for name in order if bits[name] == FALLBACK_BITS], LOW_BITS
+        order = [name for name in order if bits[name] == FALLBACK_BITS and demotion_cost[name] > 0]
+        up = LOW_BITS
     else:  # on to int6, the most sensitive first
-        order, up = [name for name in rank_by_sensitivity(sensitivity) if bits[name] == LOW_BITS], HIGH_BITS
+        order = [name for name in rank_by_sensitivity(sensitivity) if bits[name] == LOW_BITS and sensitivity[name] > 0]
+        up = HIGH_BITS
     size = fill_in_order(bits, size, order, up, chunk_size, size_of, budget_bytes, probes)
     return bits, size, probes
 
 
+class KnownSizes:
+    """size_of with a memory: an allocator that comes back to an assignment it has measured (a repair retracing a
+    step, a fill's first candidate that the bisection measured already) does not build that artifact again."""
+
+    def __init__(self, size_of: Callable[[dict[str, int]], int]):
+        self.size_of, self.known = size_of, {}
+
+    def __call__(self, bits: dict[str, int]) -> int:
+        key = tuple(sorted(bits.items()))
+        if key not in self.known:
+            self.known[key] = int(self.size_of(bits))
+        return self.known[key]
+
+    def knows(self, bits: dict[str, int]) -> bool:
+        return tuple(sorted(bits.items())) in self.known
+
+
 def fill_in_order(bits: dict[str, int], size: int, order: list[str], up: int, chunk_size: Callable[[str, int], int],
-                  size_of: Callable[[dict[str, int]], int], budget_bytes: int, probes: list[dict]) -> int:
+                  size_of: KnownSizes, budget_bytes: int, probes: list[dict]) -> int:
     """Moves matrices of `order` to `up` bits, in that order, where their chunks' growth fits in what the budget has
     left; each is measured and undone if the artifact is over (no step as large is tried after that). At most
-    FILL_PROBES artifacts are built. Changes `bits` in place; returns the final size."""
+    FILL_PROBES new artifacts are built. Changes `bits` in place; returns the final size."""
     limit, built = budget_bytes, 0
     for name in order:
         if built == FILL_PROBES:
@@ -94,7 +117,8 @@ def fill_in_order(bits: dict[str, int], size: int, order: list[str], up: int, ch
         if size + chunk_size(name, up) - chunk_size(name, old) > limit:
             continue
         bits[name] = up
-        measured, built = int(size_of(bits)), built + 1
+        built += not size_of.knows(bits)
+        measured = size_of(bits)
         probes.append({"n_int6": sum(b == HIGH_BITS for b in bits.values()),
                        "n_int4": sum(b == FALLBACK_BITS for b in bits.values()), "artifact_bytes": measured,
                        "fits": measured <= budget_bytes, "fill": True})
@@ -210,6 +234,7 @@ def allocate_lagrangian(options: dict[str, dict[int, tuple[float, int]]], size_o
     """
     if not options:
         raise ValueError("no matrices to allocate bits to")
+    size_of = KnownSizes(size_of)
     paths = {name: hull_path(opts) for name, opts in options.items()}
     position = {name: 0 for name in paths}
     probes: list[dict] = []

@@ -177,7 +177,8 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     table_bits: width of the embedding tables (and `table_patterns` matches), round-to-nearest per row.
     observed_patterns / observed_bits: non-Linear matrices quantized like Linears at a fixed width,
     on Hessians from `model.quant_observer` (the mHC phi projections; see model/gpt.py).
-    allocator: "rank" (int6 for a sensitivity-ranked prefix; int4 only as the min_bits=4 fallback) or
+    allocator: "rank" (int6 for a sensitivity-ranked prefix, int4 only as the min_bits=4 fallback, then the
+    bytes left filled in the same order) or
     "lagrangian" (every width from min_bits to int6 priced by its own bytes; see quant/allocate.py).
     error_weight: "output" (the allocators compare output MSE) or "fisher" (each output row's error
     times the mean squared loss gradient of that output: an estimate of the loss increase; one extra

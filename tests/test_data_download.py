@@ -217,3 +217,27 @@ def test_a_pattern_that_an_unfinished_download_leaves_short_is_refused_until_it_
         dl.download("sp1024", 3, out, retries=1)
     dl.download("sp1024", 2, out, retries=1)
     assert not (folder / DOWNLOAD_MARKER).exists() and len(list_shards(str(folder / "fineweb_train_*.bin"))) == 2
+
+
+def test_a_marker_of_a_download_still_running_or_of_another_machine_stays(hub, tmp_path, capsys):
+    """A request that finds all it needs clears a stopped request's marker, but not that of a download still
+    fetching on this machine (its glob would read a partial set), nor one it cannot check (another machine)."""
+    import socket
+    from data.shards import DOWNLOAD_MARKER
+    out = tmp_path / "d"
+    dl.download("sp1024", 2, out, retries=1)
+    folder = out / "datasets" / "fineweb10B_sp1024"
+    marker = folder / DOWNLOAD_MARKER
+    fetching = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for host in (socket.gethostname(), "elsewhere"):
+            marker.write_text(json.dumps({"command": "c", "files": [], "pid": fetching.pid, "host": host}))
+            dl.download("sp1024", 2, out, retries=1)
+            assert marker.exists(), host
+        assert "on elsewhere (pid" in capsys.readouterr().out
+    finally:
+        fetching.kill()
+        fetching.wait()
+    marker.write_text(json.dumps({"command": "c", "files": [], "pid": fetching.pid, "host": socket.gethostname()}))
+    dl.download("sp1024", 2, out, retries=1)  # its writer is gone: a stopped request's leftover
+    assert not marker.exists()

@@ -72,14 +72,19 @@ def test_separate_val_input_and_overwrite(demo_text, tmp_path):
         prepare([str(d / "docs.txt")], model, tmp_path, workers=1)
     m = prepare([str(d / "docs.txt")], model, tmp_path, workers=1, overwrite=True)
     assert "val" not in m["splits"] and not list(tmp_path.glob("fineweb_val_*"))  # old val shards removed
+    # A tokenizer the user put beside the shards stays (a review: an earlier version deleted it)
+    own = tmp_path / "tokenizer.model"
+    own.write_bytes(b"the user's")
+    prepare([str(d / "docs.txt")], model, tmp_path, workers=1, overwrite=True)
+    assert own.read_bytes() == b"the user's"
     # A tokenizer an earlier run shipped into the folder goes with its shards (left beside shards of another
     # tokenizer it was the one a user reached for), unless it is the tokenizer this run reads
-    (tmp_path / "tokenizer.model").write_bytes(b"an earlier demo's")
-    (tmp_path / "tokenizer.vocab").write_bytes(b"an earlier demo's")
+    from data.prepare import prepare_splits
+    prepare_splits({"train": docs}, model, tmp_path, workers=1, overwrite=True, ship_tokenizer=True)
+    assert own.read_bytes() == Path(model).read_bytes()
     prepare([str(d / "docs.txt")], model, tmp_path, workers=1, overwrite=True)
-    assert not (tmp_path / "tokenizer.model").exists() and not (tmp_path / "tokenizer.vocab").exists()
-    own = tmp_path / "tokenizer.model"
-    own.write_bytes(Path(model).read_bytes())
+    assert not own.exists() and not (tmp_path / "tokenizer.vocab").exists()
+    prepare_splits({"train": docs}, model, tmp_path, workers=1, overwrite=True, ship_tokenizer=True)
     m = prepare([str(d / "docs.txt")], str(own), tmp_path, workers=1, overwrite=True)
     assert own.read_bytes() == Path(model).read_bytes() and m["splits"]["train"]["docs"] == 700
     with pytest.raises(ValueError, match="not both"):

@@ -121,6 +121,21 @@ def test_the_bytes_a_prefix_leaves_are_filled_in_its_order():
     assert bits == {"big": 4, "mid": 5, "small": 5, "tiny": 4} and size == base - 32 == size_of(bits)
 
 
+def test_the_fill_takes_no_step_that_adds_error_and_rebuilds_nothing_it_measured():
+    """Found by a review: a matrix GPTQ fits no better at int6 (sensitivity <= 0) went to int6 when bytes were left;
+    and the fill rebuilt assignments the search had measured already."""
+    numel = {"a": 100, "b": 10}
+    chunk = lambda name, bits: numel[name] + (numel[name] // 5 if bits == 6 else 0)  # noqa: E731
+    builds = []
+
+    def size_of(bits):
+        builds.append(dict(bits))
+        return sum(chunk(n, b) for n, b in bits.items())
+    bits, size, _ = allocate_bits({"a": 1.0, "b": -0.5}, size_of, 115, chunk_size=chunk)
+    assert bits == {"a": 5, "b": 5} and size == 110  # b's int6 (2 bytes) would fit, and add error
+    assert len(builds) == len({tuple(sorted(b.items())) for b in builds})  # no artifact built twice
+
+
 def test_a_fill_step_over_the_budget_is_undone():
     numel = {"a": 100, "b": 10}
     chunk = lambda name, bits: numel[name] + (2 if bits == 6 else 0)  # noqa: E731  (estimates: +2 for int6)

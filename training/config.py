@@ -89,7 +89,7 @@ class QuantConfig:
     budget_bytes: int = 0              # the artifact's budget; 0: cap_bytes - counted code - margin_bytes. A record's
                                        # config pins its runs' budget (its train_gpt.py counts less code than they did)
     min_bits: int = 5                  # 4: if all-int5 is over the cap, demote the least sensitive matrices to int4
-    allocator: str = "rank"            # rank: int6 for the most sensitive prefix | lagrangian: widths priced by bytes
+    allocator: str = "rank"            # rank: int6 by sensitivity rank, as bytes allow | lagrangian: widths priced by bytes
     error_weight: str = "output"       # what the allocator compares: output (layer output MSE) | fisher (× loss gradient²)
     table_bits: int = 8                # embedding tables (token, bigram, value): round-to-nearest per row, 5, 6 or 8
     phi_bits: int = 4                  # mHC phi: GPTQ width on its input's Hessian (4, 5, 6, 8); 4 measured best at a fixed cap
