@@ -123,17 +123,24 @@ def check_scored_alike(runs: list[Scored], what: str) -> None:
 
 
 def check_trained_alike(finals: list[dict], sources: list[str], what: str) -> None:
-    """Every run trained on as many shards of as many bytes (final lines from before these were logged: unchecked).
-    The seed tools let data paths differ between machines; this is what stands in for them."""
+    """Every run trained on as many shards of as many bytes, with the same sampled contents (`train_data_digest`,
+    data.shards.sample_digest: sets of equal count and sizes, FineWeb's shards 0-79 and 80-159, differ there). Final
+    lines from before these were logged: unchecked. The seed tools let data paths differ between machines; this is
+    what stands in for them."""
     known = [(f.get("train_shards"), f.get("train_shard_bytes"), source) for f, source in zip(finals, sources)
              if f.get("train_shards") is not None]
     kinds = {(shards, size) for shards, size, _ in known}
+    hint = "(hint: the same training shards on every machine, e.g. the same data.download --train-shards)"
     if len(kinds) > 1:
         first = known[0]
         other = next(k for k in known if k[:2] != first[:2])
         raise ComparisonError(f"{what} trained on different data: {first[2]} {first[0]} shards of {first[1]:,} bytes, "
-                              f"{other[2]} {other[0]} of {other[1]:,} (hint: the same training shards on every "
-                              "machine, e.g. the same data.download --train-shards)")
+                              f"{other[2]} {other[0]} of {other[1]:,} {hint}")
+    sampled = [(f["train_data_digest"], source) for f, source in zip(finals, sources) if f.get("train_data_digest")]
+    if len({digest for digest, _ in sampled}) > 1:
+        (first, source), (other, other_source) = sampled[0], next(s for s in sampled if s[0] != sampled[0][0])
+        raise ComparisonError(f"{what} trained on different data: {source} and {other_source} read shards of the "
+                              f"same count and sizes but other contents (sampled digests {first}, {other}) {hint}")
 
 
 def check_seeds_alike(finals: list[dict], seeds: list[int | None], sources: list[str], what: str) -> None:
