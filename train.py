@@ -25,8 +25,8 @@ import torch
 import torch.distributed
 
 from data.loader import TokenLoader, load_tokens
-from data.shards import (ShardError, list_shards, require_disjoint, require_token_ids, require_tokenizer,
-                         sample_digest)
+from data.shards import (ShardError, file_sample, list_shards, require_disjoint, require_token_ids,
+                         require_tokenizer, sample_digest)
 from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256, load_sp
 from model.gpt import GPT
 from quant.container import ArtifactError, CodecUnavailable, require_codec
@@ -309,7 +309,7 @@ def ship(cfg: Config, dist, model, ema, train_files: list[str], result, val: Val
              "tokens_seen": result.tokens, "params": n_params, "world_size": dist.world_size,
              # what it trained on, for the seed tools (the paths may differ between machines)
              "train_shards": len(train_files), "train_shard_bytes": sum(Path(f).stat().st_size for f in train_files),
-             "train_data_digest": sample_digest(train_files)}
+             "train_data_digest": sample_digest([file_sample(f) for f in train_files])}
     artifact = REPO / cfg.train.out_dir / f"{run_id}.mhcg"
     with ema.swapped_into(model) if ema is not None else nullcontext():  # the EMA weights are what ships
         if cfg.eval.pre_quant:

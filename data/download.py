@@ -237,6 +237,11 @@ def download(variant: str, train_shards: int, out_dir: Path, repo_id: str = REPO
     command = shlex.join(["python", "-m", "data.download", "--variant", variant, "--train-shards", str(train_shards),
                           "--out", str(out_dir), "--repo-id", repo_id])
     folders = {item.local.parent for _, item in missing if item.kind in ("train", "val")}
+    for folder in sorted(folders):  # its marker and the staging folder would be taken over (found by a review)
+        writer = live_marker_writer(folder)
+        if writer:
+            raise RuntimeError(f"{folder}: another data.download ({writer}) is fetching into this folder (hint: let it "
+                               f"finish, then run this command again; if it is gone, remove {DOWNLOAD_MARKER} there)")
     for folder in sorted({item.local.parent for item in plan if item.kind in ("train", "val")} - folders):
         clear_stale_marker(folder)  # all this request needs is there: a failed earlier request's marker goes
     for folder in sorted(folders):
@@ -258,26 +263,33 @@ def clear_stale_marker(folder: Path) -> None:
     later, smaller request that found all it asked for, and refused its shards), but not the marker of a download
     still running on this machine, nor one of another machine, which this one cannot check."""
     marker = folder / DOWNLOAD_MARKER
-    if not marker.exists():
+    writer = live_marker_writer(folder)
+    if writer:
+        print(f"{folder}: {writer} has its marker here; it stays (remove {DOWNLOAD_MARKER} if no download runs "
+              "there)", flush=True)
         return
-    try:
-        fields = json.loads(marker.read_text())
-        pid, host = int(fields["pid"]), str(fields["host"])
-    except (OSError, ValueError, KeyError, TypeError):  # unreadable, or written before markers named their writer
-        pid, host = None, None
-    if pid is not None and pid != os.getpid():
-        if host != socket.gethostname():
-            print(f"{folder}: a data.download on {host} (pid {pid}) left its marker; it stays: remove "
-                  f"{DOWNLOAD_MARKER} if no download runs there", flush=True)
-            return
-        if _running(pid):
-            print(f"{folder}: data.download pid {pid} is still fetching into this folder; its marker stays until it "
-                  "is done", flush=True)
-            return
     marker.unlink(missing_ok=True)
 
 
+def live_marker_writer(folder: Path) -> str | None:
+    """Who wrote the folder's marker, where that download may still run: another live process on this machine, or
+    any process on another machine (which this one cannot check). None for no marker, this process's own, one whose
+    process is gone, or one unreadable or written before markers named their writer."""
+    try:
+        fields = json.loads((folder / DOWNLOAD_MARKER).read_text())
+        pid, host = int(fields["pid"]), str(fields["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if host != socket.gethostname():
+        return f"a data.download on {host}, pid {pid}"
+    if pid == os.getpid() or not _running(pid):
+        return None
+    return f"data.download pid {pid}"
+
+
 def _running(pid: int) -> bool:
+    if not 0 < pid < 2**31:  # 0 and -1 would ask about process groups; a damaged marker's number is no process
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

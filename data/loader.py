@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.shards import HEADER_BYTES, ShardError, read_shard
+from data.shards import HEADER_BYTES, ShardError, file_sample, read_shard
 
 STATE_FORMAT = 2  # 2: ranks take equal shares of all shards' blocks (format 1's split differs when world_size > 1)
 _PHASE_TAG = 0x5EED  # separates the per-shard phase stream from the per-batch shard-choice stream
@@ -94,6 +94,7 @@ class TokenLoader:
                              f"of seq_len + 1 = {seq_len + 1} tokens in a pass, fewer than world_size {world_size} "
                              "(hint: more data, a shorter data.seq_len, or fewer ranks)")
         self._inodes = [(st.st_dev, st.st_ino) for st in map(os.stat, self.files)]  # a file renamed over it: not ours
+        self.samples = [file_sample(f) for f in self.files]  # what a resume and the seed tools compare
         self.vocab_size = vocab_size
         self.seq_len, self.batch_seqs = seq_len, batch_seqs
         self.rank, self.world_size, self.seed = rank, world_size, seed
@@ -287,7 +288,7 @@ class TokenLoader:
     def state_dict(self) -> dict:
         return {"format": STATE_FORMAT, "seed": self.seed, "rank": self.rank, "world_size": self.world_size,
                 "seq_len": self.seq_len, "files": [Path(f).name for f in self.files],
-                "shard_tokens": [len(t) for t in self.tokens],
+                "shard_tokens": [len(t) for t in self.tokens], "shard_samples": list(self.samples),
                 "pass": self._consumed["pass"], "draws": self._consumed["draws"],
                 "cursors": list(self._consumed["cursors"])}
 
@@ -299,9 +300,10 @@ class TokenLoader:
             raise ValueError("TokenLoader.load_state_dict: the state was written by an older loader, whose split of "
                              "the blocks among ranks differs, so it cannot resume on several ranks (hint: resume it on "
                              "one rank, or start a new run)")
-        if "shard_tokens" not in d:  # a state from before the sizes were saved: the names are all it can check
-            mine.pop("shard_tokens")
-        for key in ("format", "seed", "rank", "world_size", "seq_len", "files", "shard_tokens"):
+        for key in ("shard_tokens", "shard_samples"):  # a state from before they were saved: not checked
+            if key not in d:
+                mine.pop(key)
+        for key in ("format", "seed", "rank", "world_size", "seq_len", "files", "shard_tokens", "shard_samples"):
             if key in mine and d.get(key) != mine[key]:
                 raise ValueError(f"TokenLoader.load_state_dict: state has {key}={_short(d.get(key))} but this loader "
                                  f"has {_short(mine[key])} (hint: resume with the same data, seed, seq_len and world "

@@ -118,18 +118,17 @@ def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
 def _old_outputs(out_dir: Path, overwrite: bool, tokenizer: str) -> list[Path]:
     """The shards and manifest already in out_dir: refused up front without overwrite, else replaced only
     once the new set is complete (so a bad input or an interruption keeps the old set). A tokenizer.model/.vocab
-    that the old set's manifest says its run shipped into out_dir goes with them, unless it is the tokenizer this
-    run reads: left beside shards of another tokenizer, it is the one a user would reach for (found by a review).
+    that the old set's manifest says its run shipped into out_dir (`tokenizer_shipped`) goes with them, unless it
+    is the tokenizer this run reads: left beside shards of another tokenizer, it is the one a user would reach for (found by a review).
     A tokenizer the old manifest does not name as shipped (one the user put there) stays."""
     manifest = out_dir / "manifest.json"
     old = sorted(out_dir.glob("fineweb_*.bin")) + ([manifest] if manifest.exists() else [])
     if old and not overwrite:
         raise FileExistsError(f"{out_dir} already holds {len(old)} shard/manifest files (e.g. {old[0].name}); "
                               "mixing runs would corrupt the split (hint: pass --overwrite or choose an empty --out)")
-    try:
-        shipped = manifest.exists() and Path(json.loads(manifest.read_text())["tokenizer"]).resolve() == \
-            (out_dir / "tokenizer.model").resolve()
-    except (ValueError, KeyError, TypeError, OSError):  # not a manifest of ours: nothing is known to be shipped
+    try:  # only the manifest's own word: a "tokenizer" path inside out_dir may be the user's file, read in place
+        shipped = manifest.exists() and json.loads(manifest.read_text()).get("tokenizer_shipped") is True
+    except (ValueError, AttributeError, OSError):  # not a manifest of ours: nothing is known to be shipped
         shipped = False
     reading = {Path(tokenizer).resolve(), Path(tokenizer).with_suffix(".vocab").resolve()}
     ours = [out_dir / f"tokenizer{suffix}" for suffix in (".model", ".vocab")] if shipped else []
@@ -202,6 +201,7 @@ def prepare_splits(splits: dict[str, Iterable[str]], tokenizer: str, out_dir: st
         shutil.rmtree(leftover, ignore_errors=True)
     workers = workers or os.cpu_count() or 1
     manifest = {"tokenizer": str(out / "tokenizer.model" if ship_tokenizer else tokenizer),
+                "tokenizer_shipped": ship_tokenizer,
                 "tokenizer_sha256": file_sha256(tokenizer),
                 "vocab_size": sp.get_piece_size(), "shard_tokens": shard_tokens, "bos_id": BOS_ID,
                 "bytes_definition": "UTF-8 bytes of the decoded (nmt_nfkc-normalized) text; BOS adds none",

@@ -146,18 +146,22 @@ def require_tokenizer(files: list[str], tokenizer_sha256: str, tokenizer: str) -
 SAMPLE_BYTES = 1 << 16
 
 
-def sample_digest(files: list[str], sample_bytes: int = SAMPLE_BYTES) -> str:
-    """A digest of a set of shards that differs between sets of equal count and sizes (FineWeb's shards 0-79 and
-    80-159 hold 100M tokens each): each file's size and its first and last `sample_bytes`, in the given order.
-    Reads 128 KB a shard, not the shards; the seed tools compare it where the paths differ between machines."""
+def file_sample(path: str, sample_bytes: int = SAMPLE_BYTES) -> str:
+    """A digest of one shard's size and its first and last `sample_bytes` (128 KB read, not the shard)."""
     h = hashlib.sha256()
-    for f in files:
-        with open(f, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            h.update(size.to_bytes(8, "little") + fh.read(sample_bytes))
-            fh.seek(max(size - sample_bytes, 0))
-            h.update(fh.read(sample_bytes))
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        h.update(size.to_bytes(8, "little") + fh.read(sample_bytes))
+        fh.seek(max(size - sample_bytes, 0))
+        h.update(fh.read(sample_bytes))
     return h.hexdigest()[:16]
+
+
+def sample_digest(samples: list[str]) -> str:
+    """One digest of a set of shards from their `file_sample`s, in any order (paths and their order may differ
+    between machines). It differs between sets of equal count and sizes (FineWeb's shards 0-79 and 80-159 hold
+    100M tokens each); the seed tools compare it where the paths differ."""
+    return hashlib.sha256("".join(sorted(samples)).encode()).hexdigest()[:16]
 
 
 def require_token_ids(tokens: np.ndarray, vocab_size: int, shards: str, vocabulary: str) -> None:

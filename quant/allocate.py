@@ -104,6 +104,15 @@ class KnownSizes:
         return tuple(sorted(bits.items())) in self.known
 
 
+def probe(size_of: KnownSizes, bits: dict[str, int], budget_bytes: int, probes: list[dict], **fields) -> int:
+    """Measures `bits` and logs it in `probes` (its fields, the size, whether it fits, and `cached` where the size
+    was known already, so that the log can count the artifacts really built)."""
+    cached = size_of.knows(bits)
+    size = size_of(bits)
+    probes.append({**fields, "artifact_bytes": size, "fits": size <= budget_bytes, **({"cached": True} if cached else {})})
+    return size
+
+
 def fill_in_order(bits: dict[str, int], size: int, order: list[str], up: int, chunk_size: Callable[[str, int], int],
                   size_of: KnownSizes, budget_bytes: int, probes: list[dict]) -> int:
     """Moves matrices of `order` to `up` bits, in that order, where their chunks' growth fits in what the budget has
@@ -118,10 +127,8 @@ def fill_in_order(bits: dict[str, int], size: int, order: list[str], up: int, ch
             continue
         bits[name] = up
         built += not size_of.knows(bits)
-        measured = size_of(bits)
-        probes.append({"n_int6": sum(b == HIGH_BITS for b in bits.values()),
-                       "n_int4": sum(b == FALLBACK_BITS for b in bits.values()), "artifact_bytes": measured,
-                       "fits": measured <= budget_bytes, "fill": True})
+        measured = probe(size_of, bits, budget_bytes, probes, n_int6=sum(b == HIGH_BITS for b in bits.values()),
+                         n_int4=sum(b == FALLBACK_BITS for b in bits.values()), fill=True)
         if measured <= budget_bytes:
             size = measured
         else:
@@ -130,7 +137,7 @@ def fill_in_order(bits: dict[str, int], size: int, order: list[str], up: int, ch
     return size
 
 
-def _allocate_prefix(sensitivity: dict[str, float], size_of: Callable[[dict[str, int]], int],
+def _allocate_prefix(sensitivity: dict[str, float], size_of: KnownSizes,
                      budget_bytes: int, demotion_cost: dict[str, float] | None) -> tuple[dict[str, int], int, list[dict]]:
     """int6 for the largest prefix of the sensitivity ranking that fits, else int4 for the fewest cheapest."""
     if not sensitivity:
@@ -139,9 +146,7 @@ def _allocate_prefix(sensitivity: dict[str, float], size_of: Callable[[dict[str,
     probes: list[dict] = []
 
     def measure(k: int) -> int:
-        size = int(size_of(assignment(order, k)))
-        probes.append({"n_int6": k, "n_int4": 0, "artifact_bytes": size, "fits": size <= budget_bytes})
-        return size
+        return probe(size_of, assignment(order, k), budget_bytes, probes, n_int6=k, n_int4=0)
 
     size_lo = measure(0)
     if size_lo > budget_bytes:
@@ -150,7 +155,9 @@ def _allocate_prefix(sensitivity: dict[str, float], size_of: Callable[[dict[str,
                               f"over the budget of {budget_bytes} bytes by {size_lo - budget_bytes} bytes; "
                               "hint: shrink the model, or allow the int4 fallback with quant.min_bits=4")
         return _demote_to_fit(demotion_cost, size_of, budget_bytes, probes)
-    lo, hi, best_size = 0, len(order), size_lo  # invariant: k = lo fits; k > hi is not known to fit
+    # int6 only where it lowers the error: the prefix ends before the first matrix of sensitivity <= 0.
+    # Invariant: k = lo fits; no k > hi is tried.
+    lo, hi, best_size = 0, sum(sensitivity[name] > 0 for name in order), size_lo
     size_hi = measure(hi)
     if size_hi <= budget_bytes:
         return assignment(order, hi), size_hi, probes
@@ -165,15 +172,13 @@ def _allocate_prefix(sensitivity: dict[str, float], size_of: Callable[[dict[str,
     return assignment(order, lo), best_size, probes
 
 
-def _demote_to_fit(demotion_cost: dict[str, float], size_of: Callable[[dict[str, int]], int],
+def _demote_to_fit(demotion_cost: dict[str, float], size_of: KnownSizes,
                    budget_bytes: int, probes: list[dict]) -> tuple[dict[str, int], int, list[dict]]:
     """All-int5 is over the budget: demote the cheapest matrices to int4, as few as fit (bisection)."""
     order = sorted(demotion_cost, key=lambda name: (demotion_cost[name], name))  # cheapest first
 
     def measure(k: int) -> int:
-        size = int(size_of(assignment(order, k, FALLBACK_BITS)))
-        probes.append({"n_int6": 0, "n_int4": k, "artifact_bytes": size, "fits": size <= budget_bytes})
-        return size
+        return probe(size_of, assignment(order, k, FALLBACK_BITS), budget_bytes, probes, n_int6=0, n_int4=k)
 
     size_all = measure(len(order))
     if size_all > budget_bytes:
@@ -244,10 +249,8 @@ def allocate_lagrangian(options: dict[str, dict[int, tuple[float, int]]], size_o
 
     def measure(slope: float) -> int:
         bits = current()
-        size = int(size_of(bits))
-        probes.append({**{f"n_int{b}": sum(v == b for v in bits.values()) for b in (HIGH_BITS, LOW_BITS, FALLBACK_BITS)},
-                       "artifact_bytes": size, "fits": size <= budget_bytes, "error_per_byte": slope})
-        return size
+        counts = {f"n_int{b}": sum(v == b for v in bits.values()) for b in (HIGH_BITS, LOW_BITS, FALLBACK_BITS)}
+        return probe(size_of, bits, budget_bytes, probes, **counts, error_per_byte=slope)
 
     def push(heap: list, name: str) -> None:
         i, path = position[name], paths[name]

@@ -286,7 +286,8 @@ def _verify_round_trip(path: str, data: bytes, quantized: dict, measured: int) -
 def _log_report(report: dict, log: Callable[[str], None]) -> None:
     log(f"quant: {report['method']} calibration {report['calib_tokens']} tokens in {report['calib_s']:.1f}s, "
         f"quantization {report['quant_s']:.1f}s, allocation {report['alloc_s']:.1f}s "
-        f"({report['allocator']}, {len(report['probes'])} artifacts built), save+verify {report['save_verify_s']:.1f}s")
+        f"({report['allocator']}, {sum(not p.get('cached') for p in report['probes'])} artifacts built), "
+        f"save+verify {report['save_verify_s']:.1f}s")
     for row in report["matrices"]:
         log(f"quant: rank {row['rank']:>3} int{row['bits']} {row['name']:<44} sens {row['sensitivity']:.3e} "
             + (f"err4 {row['err4']:.3e} " if "err4" in row else "")

@@ -234,10 +234,23 @@ def test_a_marker_of_a_download_still_running_or_of_another_machine_stays(hub, t
             marker.write_text(json.dumps({"command": "c", "files": [], "pid": fetching.pid, "host": host}))
             dl.download("sp1024", 2, out, retries=1)
             assert marker.exists(), host
-        assert "on elsewhere (pid" in capsys.readouterr().out
+        assert "a data.download on elsewhere, pid" in capsys.readouterr().out
+        # this process's pid on another machine (containers reuse small pids) is not this process
+        marker.write_text(json.dumps({"command": "c", "files": [], "pid": os.getpid(), "host": "elsewhere"}))
+        dl.download("sp1024", 2, out, retries=1)
+        assert marker.exists()
+        # a request that has shards to fetch does not take over a live download's marker and staging folder
+        (folder / "fineweb_train_000001.bin").unlink()
+        marker.write_text(json.dumps({"command": "c", "files": [], "pid": fetching.pid, "host": socket.gethostname()}))
+        with pytest.raises(RuntimeError, match=rf"another data.download \(data.download pid {fetching.pid}\) is "
+                                               r"fetching into this folder \(hint: let it finish"):
+            dl.download("sp1024", 2, out, retries=1)
     finally:
         fetching.kill()
         fetching.wait()
+    for pid in (0, -1, 2**40):  # a damaged marker's number is no live process
+        marker.write_text(json.dumps({"command": "c", "files": [], "pid": pid, "host": socket.gethostname()}))
+        assert dl.live_marker_writer(folder) is None
     marker.write_text(json.dumps({"command": "c", "files": [], "pid": fetching.pid, "host": socket.gethostname()}))
     dl.download("sp1024", 2, out, retries=1)  # its writer is gone: a stopped request's leftover
     assert not marker.exists()

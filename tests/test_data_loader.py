@@ -205,11 +205,16 @@ def test_a_state_of_other_shards_under_the_same_names_is_refused(shards, tmp_pat
         with pytest.raises(ValueError, match=r"state has shard_tokens=\[9000, .* but this loader has \[1000, "
                                              r".*shards rebuilt under the same names are other data"):
             b.load_state_dict(state)
-        old = {k: v for k, v in state.items() if k != "shard_tokens"}  # a state from before the sizes were saved
+        old = {k: v for k, v in state.items() if k not in ("shard_tokens", "shard_samples")}  # an older state
         with pytest.raises(ValueError, match=r"cursors \[.*\] do not fit this rank's blocks per shard in pass 0"):
             b.load_state_dict({**old, "cursors": [10_000] + old["cursors"][1:]})
         b.load_state_dict({**old, "cursors": [0] * len(files)})  # names alone and cursors that fit: accepted
         take(b, 2)
+    # other tokens, the same names and counts (every full shard of a set holds shard_tokens): the samples differ
+    write_shard(files[0], np.arange(9000) + 7)
+    with TokenLoader(files, 16, batch_seqs=8, seed=2, prefetch=0) as c:
+        with pytest.raises(ValueError, match=r"state has shard_samples=.* but this loader has"):
+            c.load_state_dict({**state, "shard_tokens": c.state_dict()["shard_tokens"]})
 
 
 def test_an_old_state_on_several_ranks_and_a_closed_loader_are_refused(shards):

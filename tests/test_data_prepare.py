@@ -72,11 +72,16 @@ def test_separate_val_input_and_overwrite(demo_text, tmp_path):
         prepare([str(d / "docs.txt")], model, tmp_path, workers=1)
     m = prepare([str(d / "docs.txt")], model, tmp_path, workers=1, overwrite=True)
     assert "val" not in m["splits"] and not list(tmp_path.glob("fineweb_val_*"))  # old val shards removed
-    # A tokenizer the user put beside the shards stays (a review: an earlier version deleted it)
+    # A tokenizer the user put beside the shards stays (a review: an earlier version deleted it), also when a run
+    # read it in place (the manifest then names it, though no run shipped it)
     own = tmp_path / "tokenizer.model"
     own.write_bytes(b"the user's")
     prepare([str(d / "docs.txt")], model, tmp_path, workers=1, overwrite=True)
     assert own.read_bytes() == b"the user's"
+    own.write_bytes(Path(model).read_bytes())
+    prepare([str(d / "docs.txt")], str(own), tmp_path, workers=1, overwrite=True)
+    prepare([str(d / "docs.txt")], model, tmp_path, workers=1, overwrite=True)
+    assert own.read_bytes() == Path(model).read_bytes()
     # A tokenizer an earlier run shipped into the folder goes with its shards (left beside shards of another
     # tokenizer it was the one a user reached for), unless it is the tokenizer this run reads
     from data.prepare import prepare_splits

@@ -134,15 +134,19 @@ def test_the_fill_takes_no_step_that_adds_error_and_rebuilds_nothing_it_measured
     bits, size, _ = allocate_bits({"a": 1.0, "b": -0.5}, size_of, 115, chunk_size=chunk)
     assert bits == {"a": 5, "b": 5} and size == 110  # b's int6 (2 bytes) would fit, and add error
     assert len(builds) == len({tuple(sorted(b.items())) for b in builds})  # no artifact built twice
+    bits, size, probes = allocate_bits({"a": 1.0, "b": -0.5}, size_of, 200)  # all-int6 fits: b still stays int5
+    assert bits == {"a": 6, "b": 5} and size == 130
+    assert [p.get("cached", False) for p in probes] == [False, False]
 
 
 def test_a_fill_step_over_the_budget_is_undone():
     numel = {"a": 100, "b": 10}
     chunk = lambda name, bits: numel[name] + (2 if bits == 6 else 0)  # noqa: E731  (estimates: +2 for int6)
     size_of = lambda bits: sum(numel[n] + (9 if b == 6 else 0) for n, b in bits.items())  # real: +9
+    # the fill's step is the assignment the bisection measured over the budget already: not built again (cached)
     bits, size, probes = allocate_bits({"a": 2.0, "b": 1.0}, size_of, 115, chunk_size=chunk)
     assert bits == {"a": 5, "b": 5} and size == 110 and probes[-1] == {
-        "n_int6": 1, "n_int4": 0, "artifact_bytes": 119, "fits": False, "fill": True}
+        "n_int6": 1, "n_int4": 0, "artifact_bytes": 119, "fits": False, "fill": True, "cached": True}
 
 
 def test_budget_error_without_fallback_names_the_option():

@@ -604,15 +604,17 @@ def test_seeds_trained_on_other_shards_make_no_submission_nor_record(tiny_seed_r
 def test_seeds_trained_on_other_shards_of_the_same_sizes_are_told_apart(tiny_seed_runs, tmp_path):
     """Shard count and bytes cannot tell FineWeb's shards 0-79 from 80-159 (100M tokens each): runs also log a
     digest sampled from each shard's head and tail, and the seed tools compare it."""
-    from data.shards import sample_digest, write_shard
+    from data.shards import file_sample, sample_digest, write_shard
     from scripts.record_rule import ComparisonError, check_trained_alike
     finals = [json.loads(log.read_text().splitlines()[-1][6:]) for log in tiny_seed_runs.logs]
     assert len({f["train_data_digest"] for f in finals}) == 1 and len(finals[0]["train_data_digest"]) == 16
     a, b = tmp_path / "a.bin", tmp_path / "b.bin"
     write_shard(a, np.arange(50_000) % 1000)
     write_shard(b, (np.arange(50_000) + 1) % 1000)  # the same size, other tokens
-    assert a.stat().st_size == b.stat().st_size and sample_digest([str(a)]) != sample_digest([str(b)])
-    other = {**finals[1], "train_data_digest": sample_digest([str(b)])}
+    assert a.stat().st_size == b.stat().st_size and file_sample(str(a)) != file_sample(str(b))
+    assert sample_digest([file_sample(str(a)), file_sample(str(b))]) == sample_digest([file_sample(str(b)),
+                                                                                        file_sample(str(a))])
+    other = {**finals[1], "train_data_digest": sample_digest([file_sample(str(b))])}
     with pytest.raises(ComparisonError, match=r"read shards of the same count and sizes but other contents"):
         check_trained_alike([finals[0], other], ["s1.txt", "s2.txt"], "the seeds")
     check_trained_alike([finals[0], {k: v for k, v in other.items() if k != "train_data_digest"}], ["s1", "s2"],
