@@ -25,8 +25,8 @@ import torch
 import torch.distributed
 
 from data.loader import TokenLoader, load_tokens
-from data.shards import (ShardError, file_sample, list_shards, require_disjoint, require_token_ids,
-                         require_tokenizer, sample_digest)
+from data.shards import (ShardError, list_shards, require_disjoint, require_token_ids, require_tokenizer,
+                         sample_digest)
 from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256, load_sp
 from model.gpt import GPT
 from quant.container import ArtifactError, CodecUnavailable, require_codec
@@ -247,7 +247,7 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
         kept, made = keep_trained_state(checkpointer, result.steps, result.train_time_s, model, optimizers, ema,
                                         loader, dist.world_size, log)
         try:
-            final = ship(cfg, dist, model, ema, loader.files, result, val, n_params, evaluate, checkpointer, log)
+            final = ship(cfg, dist, model, ema, loader, result, val, n_params, evaluate, checkpointer, log)
         except StopRequested as stop:
             log(f"stopped by a signal {stop.phase}: the trained state is checkpoint {kept} (step {result.steps}); "
                 f"train.resume=latest train.run_id={run_id} scores it without training further")
@@ -288,12 +288,12 @@ def resume(resume_from: Path | None, model, optimizers, ema, loader, dist, log, 
     return start
 
 
-def ship(cfg: Config, dist, model, ema, train_files: list[str], result, val: Validation, n_params: int, evaluate,
+def ship(cfg: Config, dist, model, ema, loader: TokenLoader, result, val: Validation, n_params: int, evaluate,
          checkpointer: Checkpointer, log) -> dict:
     """Score the trained weights (eval.pre_quant), export the capped artifact, score it: the final record.
     A stop signal raises StopRequested before each phase (all ranks agree on it) or, on a single rank, inside a
     scoring pass."""
-    device, run_id = dist.device, cfg.train.run_id
+    device, run_id, train_files = dist.device, cfg.train.run_id, loader.files
     agree = RankAgreement(dist.world_size)
 
     def check_stop(phase: str) -> None:
@@ -309,7 +309,7 @@ def ship(cfg: Config, dist, model, ema, train_files: list[str], result, val: Val
              "tokens_seen": result.tokens, "params": n_params, "world_size": dist.world_size,
              # what it trained on, for the seed tools (the paths may differ between machines)
              "train_shards": len(train_files), "train_shard_bytes": sum(Path(f).stat().st_size for f in train_files),
-             "train_data_digest": sample_digest([file_sample(f) for f in train_files])}
+             "train_data_digest": sample_digest(loader.samples)}  # sampled when the loader opened the shards
     artifact = REPO / cfg.train.out_dir / f"{run_id}.mhcg"
     with ema.swapped_into(model) if ema is not None else nullcontext():  # the EMA weights are what ships
         if cfg.eval.pre_quant:

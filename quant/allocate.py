@@ -109,7 +109,8 @@ def probe(size_of: KnownSizes, bits: dict[str, int], budget_bytes: int, probes: 
     was known already, so that the log can count the artifacts really built)."""
     cached = size_of.knows(bits)
     size = size_of(bits)
-    probes.append({**fields, "artifact_bytes": size, "fits": size <= budget_bytes, **({"cached": True} if cached else {})})
+    probes.append({**fields, "artifact_bytes": size, "fits": size <= budget_bytes,
+                   **({"cached": True} if cached else {})})
     return size
 
 
@@ -123,22 +124,23 @@ def fill_in_order(bits: dict[str, int], size: int, order: list[str], up: int, ch
         if built == FILL_PROBES:
             break
         old = bits[name]
-        if size + chunk_size(name, up) - chunk_size(name, old) > limit:
+        cost = chunk_size(name, up) - chunk_size(name, old)
+        if size + cost > limit:
             continue
         bits[name] = up
-        built += not size_of.knows(bits)
         measured = probe(size_of, bits, budget_bytes, probes, n_int6=sum(b == HIGH_BITS for b in bits.values()),
                          n_int4=sum(b == FALLBACK_BITS for b in bits.values()), fill=True)
+        built += not probes[-1].get("cached")
         if measured <= budget_bytes:
             size = measured
         else:
             bits[name] = old
-            limit = min(limit, size + chunk_size(name, up) - chunk_size(name, old) - 1)
+            limit = min(limit, size + cost - 1)
     return size
 
 
-def _allocate_prefix(sensitivity: dict[str, float], size_of: KnownSizes,
-                     budget_bytes: int, demotion_cost: dict[str, float] | None) -> tuple[dict[str, int], int, list[dict]]:
+def _allocate_prefix(sensitivity: dict[str, float], size_of: KnownSizes, budget_bytes: int,
+                     demotion_cost: dict[str, float] | None) -> tuple[dict[str, int], int, list[dict]]:
     """int6 for the largest prefix of the sensitivity ranking that fits, else int4 for the fewest cheapest."""
     if not sensitivity:
         raise ValueError("no matrices to allocate bits to")
