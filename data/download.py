@@ -246,8 +246,9 @@ def download(variant: str, train_shards: int, out_dir: Path, repo_id: str = REPO
         clear_stale_marker(folder)  # all this request needs is there: a failed earlier request's marker goes
     for folder in sorted(folders):
         expected = sorted(item.local.name for item in plan if item.local.parent == folder)
-        write_atomic(folder / DOWNLOAD_MARKER, (json.dumps({"command": command, "files": expected, "pid": os.getpid(),
-                                                           "host": socket.gethostname()}) + "\n").encode())
+        writer = {"pid": os.getpid(), "host": socket.gethostname(), "process": process_identity(os.getpid())}
+        write_atomic(folder / DOWNLOAD_MARKER,
+                     (json.dumps({"command": command, "files": expected, **writer}) + "\n").encode())
     for i, item in missing:
         fetch(repo_id, item, hub[item.remote], staging, retries, verified)
         print(f"[{i}/{len(plan)}] got {item.local} ({hub[item.remote].size:,} bytes)", flush=True)
@@ -274,7 +275,9 @@ def clear_stale_marker(folder: Path) -> None:
 def live_marker_writer(folder: Path) -> str | None:
     """Who wrote the folder's marker, where that download may still run: another live process on this machine, or
     any process on another machine (which this one cannot check). None for no marker, this process's own, one whose
-    process is gone, or one unreadable or written before markers named their writer."""
+    process is gone, or one unreadable or written before markers named their writer. A live pid whose process is not
+    the writer (the marker records the writer's boot and start time where /proc has them) is a pid reused after the
+    writer stopped, or after a reboot: its marker is a leftover too."""
     try:
         fields = json.loads((folder / DOWNLOAD_MARKER).read_text())
         pid, host = int(fields["pid"]), str(fields["host"])
@@ -284,7 +287,22 @@ def live_marker_writer(folder: Path) -> str | None:
         return f"a data.download on {host}, pid {pid}"
     if pid == os.getpid() or not _running(pid):
         return None
+    recorded, now = fields.get("process"), process_identity(pid)
+    if recorded is not None and now is not None and recorded != now:
+        return None
     return f"data.download pid {pid}"
+
+
+def process_identity(pid: int) -> str | None:
+    """'boot id:start time' of a live process on Linux: a pid names one process only within a boot and only while it
+    runs, the pair names it for good. None where /proc does not tell (another OS, or the process is gone)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        start = stat[stat.rindex(")") + 2:].split()[19]  # field 22, counted past the name (which may hold spaces)
+    except (OSError, ValueError, IndexError):
+        return None
+    return f"{boot}:{start}"
 
 
 def _running(pid: int) -> bool:

@@ -254,3 +254,39 @@ def test_a_marker_of_a_download_still_running_or_of_another_machine_stays(hub, t
     marker.write_text(json.dumps({"command": "c", "files": [], "pid": fetching.pid, "host": socket.gethostname()}))
     dl.download("sp1024", 2, out, retries=1)  # its writer is gone: a stopped request's leftover
     assert not marker.exists()
+
+
+@pytest.mark.skipif(dl.process_identity(os.getpid()) is None, reason="needs Linux's /proc (boot id, start times)")
+def test_a_marker_whose_pid_now_names_another_process_is_a_leftover(hub, tmp_path, monkeypatch):
+    """A download that stopped leaves its marker; after a reboot, or once the pid is reused, a live process holds the
+    marker's pid. The marker records its writer's boot id and start time, so that process is not taken for the
+    writer; a marker of the live writer itself stays, and one written before markers recorded it is kept."""
+    import socket
+    from data.shards import DOWNLOAD_MARKER
+    out = tmp_path / "d"
+    dl.download("sp1024", 2, out, retries=1)
+    folder = out / "datasets" / "fineweb10B_sp1024"
+    marker = folder / DOWNLOAD_MARKER
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        writer = {"command": "c", "files": [], "pid": live.pid, "host": socket.gethostname()}
+        identity = dl.process_identity(live.pid)
+        assert identity is not None and identity != dl.process_identity(os.getpid())
+        for process, stays in ((identity, True), (None, True), ("another-boot:12345", False),
+                               (identity.split(":")[0] + ":1", False)):
+            marker.write_text(json.dumps({**writer, "process": process}))
+            dl.download("sp1024", 2, out, retries=1)
+            assert marker.exists() == stays, process
+    finally:
+        live.kill()
+        live.wait()
+    (folder / "fineweb_train_000001.bin").unlink()  # a request that fetches records its own process
+    seen, real_fetch = {}, dl.fetch
+
+    def fetch_and_look(*args, **kwargs):
+        seen.update(json.loads(marker.read_text()))
+        return real_fetch(*args, **kwargs)
+    monkeypatch.setattr(dl, "fetch", fetch_and_look)
+    dl.download("sp1024", 2, out, retries=1)
+    assert seen["pid"] == os.getpid() and seen["process"] == dl.process_identity(os.getpid())
+    assert not marker.exists()
