@@ -8,8 +8,8 @@ The dataset repo (repo_type dataset) holds `datasets/manifest.json`, which lists
 `datasets/datasets/fineweb10B_<variant>/` and tokenizers under `datasets/tokenizers/`. They land in
 DIR/datasets/fineweb10B_<variant>/ and DIR/tokenizers/ (DIR defaults to this package's folder).
 
-Each file is downloaded into DIR/datasets/.staging (huggingface_hub resumes partial files there),
-checked against the size and checksum the Hub reports (the LFS sha256, or the git blob id of a small file;
+Each file is downloaded into DIR/datasets/.staging/<variant> (huggingface_hub resumes partial files there; the
+manifest goes through .staging/.manifest), checked against the size and checksum the Hub reports (the LFS sha256, or the git blob id of a small file;
 shards also against their own header), and only then renamed into place. A file already in place that
 matches is skipped, so re-running resumes; the checksums of files found good are remembered in
 DIR/datasets/.verified.json by size and modification time, so a rerun does not read 16 GB again. Until every file
@@ -207,8 +207,11 @@ def load_manifest(repo_id: str, out_dir: Path, retries: int, verified: Verified 
     if hub is None:
         raise ValueError(f"{repo_id} has no {MANIFEST}")
     if check_file(local, hub, verified) is not None:
-        fetch(repo_id, RemoteFile(MANIFEST, local, "manifest"), hub, out_dir / "datasets" / ".staging", retries,
-              verified)
+        staging = out_dir / "datasets" / ".staging" / ".manifest"
+        try:
+            fetch(repo_id, RemoteFile(MANIFEST, local, "manifest"), hub, staging, retries, verified)
+        finally:
+            remove_staging(staging)
     try:
         return json.loads(local.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -223,7 +226,9 @@ def download(variant: str, train_shards: int, out_dir: Path, repo_id: str = REPO
     manifest = load_manifest(repo_id, out_dir, retries, verified)
     plan = plan_downloads(manifest, variant, train_shards, out_dir)
     hub = hub_files(repo_id, [f.remote for f in plan])
-    staging = out_dir / "datasets" / ".staging"
+    # One staging folder per variant: a request clears its own when done, not the partial files of a download of
+    # another variant into the same --out (two of one variant are refused below: they would share its shard folder).
+    staging = out_dir / "datasets" / ".staging" / variant
     missing = []
     for i, item in enumerate(plan, 1):
         if hub.get(item.remote) is None:
@@ -255,8 +260,17 @@ def download(variant: str, train_shards: int, out_dir: Path, repo_id: str = REPO
     for folder in folders:
         (folder / DOWNLOAD_MARKER).unlink(missing_ok=True)
     if missing:  # only a request that fetched used the staging folder (another may be fetching through it now)
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_staging(staging)
     return [item.local for item in plan]
+
+
+def remove_staging(staging: Path) -> None:
+    """Removes one request's staging folder, and .staging itself once no other request stages there."""
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        staging.parent.rmdir()
+    except OSError:  # not empty: another variant's download is using it
+        pass
 
 
 def clear_stale_marker(folder: Path) -> None:

@@ -219,6 +219,19 @@ def test_a_pattern_that_an_unfinished_download_leaves_short_is_refused_until_it_
     assert not (folder / DOWNLOAD_MARKER).exists() and len(list_shards(str(folder / "fineweb_train_*.bin"))) == 2
 
 
+def test_a_download_clears_its_own_staging_folder_not_another_variants(hub, tmp_path):
+    """Two downloads of different variants into one --out may run at once (their shard folders differ): the one
+    that finishes first removes its staging folder, not the partial files the other is still fetching."""
+    out = tmp_path / "d"
+    other = out / "datasets" / ".staging" / "sp8192" / "datasets" / "datasets" / "fineweb10B_sp8192"
+    other.mkdir(parents=True)
+    (other / "fineweb_train_000003.bin.incomplete").write_bytes(b"partial")
+    dl.download("sp1024", 1, out, retries=1)
+    assert (other / "fineweb_train_000003.bin.incomplete").read_bytes() == b"partial"
+    assert not (out / "datasets" / ".staging" / "sp1024").exists()
+    assert hub.calls and all(c.startswith("datasets/") for c in hub.calls)
+
+
 def test_a_marker_of_a_download_still_running_or_of_another_machine_stays(hub, tmp_path, capsys):
     """A request that finds all it needs clears a stopped request's marker, but not that of a download still
     fetching on this machine (its glob would read a partial set), nor one it cannot check (another machine)."""
