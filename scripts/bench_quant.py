@@ -85,10 +85,12 @@ def check_variants(config: str, common: list[str], variants) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    out = ["| variant | allocator | artifact bytes | total bytes | int6 / int5 / int4 | phi bits | val_bpb | gap | export s |",
+    out = ["| variant | method, allocator, error weight | artifact bytes | total bytes | int6 / int5 / int4 | phi bits "
+           "| val_bpb | gap | export s |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['variant']} | {r['allocator']} | {r['artifact_bytes']:,} | {r['total_bytes']:,} | "
+        out.append(f"| {r['variant']} | {r['method']}, {r['allocator']}, {r['error_weight']} | "
+                   f"{r['artifact_bytes']:,} | {r['total_bytes']:,} | "
                    f"{r['n_int6']} / {r['n_int5']} / {r['n_int4']} | {r['phi_bits']} | {r['val_bpb']:.4f} | "
                    f"{r['gap']:+.4f} | {r['export_seconds']:.1f} |")
     return "\n".join(out)
@@ -147,8 +149,8 @@ def main(argv=None) -> int:
                 raise SystemExit(f"variant {v.name}: {report['export_error']}")
             scored = evaluate_artifact(artifact, val_tokens, lut, vcfg.eval, device=device, tokenizer_sha256=sha)
             rows.append({"variant": v.name, "overrides": v.overrides, "phi_bits": vcfg.quant.phi_bits,
-                         "allocator": vcfg.quant.allocator,
-                         **{k: report[k] for k in ("n_int6", "n_int5", "n_int4")},
+                         # what the export did (its report), not what the variant asked for
+                         **{k: report[k] for k in ("method", "allocator", "error_weight", "n_int6", "n_int5", "n_int4")},
                          **{k: scored[k] for k in ("artifact_bytes", "total_bytes", "fits_cap", "val_bpb", "val_loss")},
                          "gap": scored["val_bpb"] - pre["val_bpb"], "export_seconds": seconds})
             print(f"{v.name}: {rows[-1]['total_bytes']:,} B, val_bpb {rows[-1]['val_bpb']:.4f}", flush=True)

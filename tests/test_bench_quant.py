@@ -29,7 +29,9 @@ def test_variants_share_the_weights_and_differ_in_what_they_ship(checkpoint, tmp
     assert result["weights"] == "ema"
     rows = {r["variant"]: r for r in result["rows"]}
     assert rows["phi8"]["phi_bits"] == 8 and rows["phi4"]["phi_bits"] == 4
-    assert rows["phi8"]["allocator"] == "rank" and rows["phi4"]["allocator"] == "lagrangian"
+    # the export's own report: a config key that did not reach export_artifact would show its default here
+    assert [rows["phi8"][k] for k in ("method", "allocator", "error_weight")] == ["gptq", "rank", "output"]
+    assert [rows["phi4"][k] for k in ("method", "allocator", "error_weight")] == ["rtn", "lagrangian", "fisher"]
     assert rows["phi4"]["artifact_bytes"] < rows["phi8"]["artifact_bytes"]
     for r in rows.values():
         assert (tmp_path / f"{r['variant']}.mhcg").stat().st_size == r["artifact_bytes"]
@@ -37,7 +39,7 @@ def test_variants_share_the_weights_and_differ_in_what_they_ship(checkpoint, tmp
     _, stored = load_artifact(tmp_path / "phi8.mhcg", stored=True)
     assert stored["embed.weight"].bits == 6 and stored["mhc.0.phi"].bits == 8  # config keys reach the artifact
     table = capsys.readouterr().out
-    assert "| phi8 |" in table and "| phi4 |" in table
+    assert "| phi8 | gptq, rank, output |" in table and "| phi4 | rtn, lagrangian, fisher |" in table
 
 
 def test_only_quant_keys_may_vary_and_the_checkpoint_must_exist(checkpoint, tmp_path):

@@ -98,13 +98,19 @@ def test_the_launch_without_the_apply_takes_its_own_block():
             [(apply, cfg["BT"], cfg["BC"]) for apply, cfg in expect], n
 
 
-def test_interpreted_kernels_and_bad_arguments_are_refused(monkeypatch):
+def test_interpreted_kernels_and_bad_arguments_are_refused(monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(SystemExit, match="TRITON_INTERPRET=1"):
         KR.main([])
-    for bad in (["--n", "3"], ["--n", "16"], ["--C", "40"], ["--tokens", "0"]):  # 16 passed, then crashed
-        with pytest.raises(SystemExit):
+    # Each bad argument is refused by its own check, ahead of the interpreter's refusal (16 streams once passed,
+    # then crashed): argparse exits with status 2 and names the argument.
+    for bad, says in ((["--n", "3"], "argument --n: invalid choice: 3"),
+                      (["--n", "16"], "argument --n: invalid choice: 16"),
+                      (["--C", "40"], "--C must be a positive multiple of 16"),
+                      (["--tokens", "0"], "--tokens positive; got C=512 tokens=0")):
+        with pytest.raises(SystemExit) as exit_:
             KR.main(bad)
+        assert exit_.value.code == 2 and says in capsys.readouterr().err, bad
 
 
 def test_an_architecture_it_cannot_compile_for_is_refused_by_argparse():
