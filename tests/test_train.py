@@ -6,6 +6,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -184,6 +185,17 @@ def test_calibration_takes_exactly_quant_calib_seqs_sequences(demo_dir, tmp_path
     files = sorted(map(str, demo_dir.glob("fineweb_train_*.bin")))
     batches = calibration_batches(cfg, model, files, torch.device("cpu"))
     assert sum(b.shape[0] for b in batches) == seqs and all(b.shape[1] == cfg.data.seq_len for b in batches)
+    # and from the source asked for: the model's own samples, or runs of training tokens
+    from data.shards import read_shard
+    from quant.calibrate import generate_calibration_tokens
+    rows = torch.cat(batches)
+    sampled = generate_calibration_tokens(model, seqs, cfg.data.seq_len, seed=cfg.train.seed)
+    assert torch.equal(rows, sampled) == (source == "generated")
+    if source == "train":
+        shards = [read_shard(f).astype(np.int64).tobytes() for f in files]
+        for row in rows.numpy().astype(np.int64):
+            at = [shard.find(row.tobytes()) for shard in shards]
+            assert any(i >= 0 and i % 8 == 0 for i in at), row[:8]
 
 
 class SliceLoader:
