@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.mhc_reference import mhc_num_coefficients as num_coefficients  # noqa: F401 (the launchers' name)
 from model.config import KERNEL_STREAMS, KERNEL_WIDTH_MULTIPLE  # one source: configs are checked against them
 
 # Set before triton is imported; under it the kernels run on CPU tensors through the interpreter.
@@ -228,10 +229,6 @@ def pre_gates(raw_ptr, alpha_ptr, bias_ptr, t64, tmask, N: tl.constexpr, n: tl.c
 
 # ---------------------------------------------------------------- launch sizing (host side)
 
-def num_coefficients(n: int) -> int:
-    return n * n + 2 * n
-
-
 def padded_columns(n: int) -> int:
     """Width of the [tokens, columns] coefficient tiles: N = n^2+2n columns plus the backward's
     extras (the rms-gradient factor and H_pre, see mhc_bwd.py), a power of two >= 16 for tl.dot."""
@@ -259,13 +256,14 @@ def check_streams(n: int, C: int, where: str) -> None:
         raise ValueError(f"{where}: the Triton mHC kernels take n_streams in {KERNEL_STREAMS}, got n={n}; "
                          "hint: use one of those or set mhc_kernels=false to run the PyTorch reference")
     if C % KERNEL_WIDTH_MULTIPLE:
-        raise ValueError(f"{where}: the Triton mHC kernels need the stream width C to be a multiple of 16, "
-                         f"got C={C}; hint: pick d_model a multiple of 16 or set mhc_kernels=false")
+        m = KERNEL_WIDTH_MULTIPLE
+        raise ValueError(f"{where}: the Triton mHC kernels need the stream width C to be a multiple of {m}, "
+                         f"got C={C}; hint: pick d_model a multiple of {m} or set mhc_kernels=false")
 
 
 def channel_block(C: int, want: int, n: int) -> int:
     """Power-of-two channel tile: at most `want`, no wider than C needs, and small enough that the
-    [n*BC, NP] projection tile (and the d(phi) accumulator) stays at <= 16K fp32 values."""
+    [n*BC, NP] tile of phi that coef_premix and stream_bwd take per step stays at <= 16K values."""
     cap = max(16, 16384 // (n * padded_columns(n)))
     return max(16, min(want, cap, triton.next_power_of_2(C)))
 

@@ -4,13 +4,16 @@
     mhc_post(x, h_res, h_post, y) -> x_new
     mhc_post_pre(x, h_res, h_post, y, phi, alpha, bias, sinkhorn_iters=20) -> (x_new, u, h_post, h_res)
 
-Same shapes, dtypes and semantics as the reference (streams [..., n, C] in any float dtype, the
+Same shapes, dtypes and values as the reference (streams [..., n, C] in fp32, fp16 or bf16 on a GPU, the
 coefficients fp32), differentiable w.r.t. x, y, h_res, h_post, phi, alpha and bias. Each call is a
 `torch.library.triton_op` with `register_autograd`, so torch.compile(fullgraph=True) traces the
 Triton kernels (forward and backward) with no graph break and no host sync.
+Stricter than the reference: coefficients must have their exact shapes (no broadcasting), y the streams'
+dtype, sinkhorn_iters >= 1; and there is no double backward (a second-order gradient raises).
 
-Where the kernels cannot run (CPU tensors without TRITON_INTERPRET=1, or no triton installed) the
-calls fall back to the PyTorch reference, so a model with `mhc_kernels = true` runs anywhere.
+Where the kernels cannot run (CPU tensors without TRITON_INTERPRET=1, bf16 CPU tensors, which the
+interpreter computes wrongly, or no triton installed) the calls fall back to the PyTorch reference,
+so a model with `mhc_kernels = true` runs anywhere.
 """
 from __future__ import annotations
 
@@ -32,13 +35,19 @@ except ImportError:  # no triton on this platform: the reference serves every ca
 Tensor = torch.Tensor
 
 
+# The interpreter has no bfloat16: its bf16 tl.dot gave projections ~1e11 off and its stores truncate instead of
+# rounding (found by a review), so bf16 CPU tensors take the reference.
+_INTERPRETER_DTYPES = (torch.float32, torch.float16, torch.float64)
+
+
 def kernels_run_on(x: Tensor) -> bool:
-    """True where the Triton kernels execute: CUDA tensors, or CPU tensors under the interpreter
-    in eager mode (torch.compile cannot trace interpreted kernels, so compiled CPU code takes the
-    reference)."""
+    """True where the Triton kernels execute: CUDA tensors, or fp16/fp32/fp64 CPU tensors under the
+    interpreter in eager mode (torch.compile cannot trace interpreted kernels, so compiled CPU code
+    takes the reference)."""
     if not HAVE_TRITON:
         return False
-    return x.is_cuda or (INTERPRET and x.device.type == "cpu" and not torch.compiler.is_compiling())
+    return x.is_cuda or (INTERPRET and x.device.type == "cpu" and x.dtype in _INTERPRETER_DTYPES
+                         and not torch.compiler.is_compiling())
 
 
 def _check(x: Tensor, y: Tensor | None = None, h_res: Tensor | None = None, h_post: Tensor | None = None,
@@ -91,6 +100,7 @@ if HAVE_TRITON:
     def _pre_setup(ctx, inputs, output):
         x, phi, alpha, bias, ctx.iters = inputs
         _, _, _, raw, rinv = output
+        ctx.mark_non_differentiable(raw, rinv)  # saved for the backward, not outputs to differentiate
         ctx.save_for_backward(x, phi, alpha, bias, raw, rinv)
 
     def _pre_backward(ctx, du, dh_post, dh_res, _draw, _drinv):
@@ -148,6 +158,7 @@ if HAVE_TRITON:
     def _post_pre_setup(ctx, inputs, output):
         *tensors, ctx.iters = inputs
         x_new, _, _, _, raw, rinv = output
+        ctx.mark_non_differentiable(raw, rinv)  # saved for the backward, not outputs to differentiate
         ctx.save_for_backward(*tensors, x_new, raw, rinv)
 
     def _post_pre_backward(ctx, dx_new, du, dh_post, dh_res, _draw, _drinv):

@@ -143,8 +143,9 @@ def stream_bwd_kernel(
     overwritten by dx below). Without it Triton computes the whole coefficient-path sum in the dot's
     layout and holds the x tiles and per-token coefficients in two layouts (n=4: 255 registers, 60
     layout conversions); the reload keeps the loop in the loads' layout (n=4: 159-172 registers at
-    4 elements per thread, sm_90, no spill). Rounding G phi^T to the stream dtype is what the
-    reference's bf16 matmul output does."""
+    4 elements per thread, sm_90, no spill). The scratch rounds G phi^T to the stream dtype on its own,
+    a rounding the reference does not have (it rounds the summed fp32 gradient once, on its way back
+    through .float()); the bf16 GPU tests bound the difference."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     t64 = t.to(tl.int64)

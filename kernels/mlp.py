@@ -14,9 +14,12 @@ Schedules (`SCHEDULES`, argument `schedule` of `fused_mlp`): "tiled" pointer ker
 tensor-descriptor persistent kernel on Hopper; "auto" takes tma where it applies (measured faster on an
 H100, see kernels/mlp_triton.py).
 
-Where the kernels run: CUDA tensors always; CPU fp32/fp16 tensors when `kernels/mlp_triton.py` was
+A second-order gradient (backward with create_graph=True) takes a PyTorch-ops backward from a recomputed
+pre-activation; the first-order backward of a training step, eager or compiled, takes the kernels.
+
+Where the kernels run: CUDA bf16/fp16/fp32 tensors; CPU fp32/fp16 tensors when `kernels/mlp_triton.py` was
 imported with TRITON_INTERPRET=1 (the Triton interpreter), outside torch.compile tracing. Anything else
-(plain CPU, bf16 on the interpreter, no Triton installed) computes the same function with PyTorch ops.
+(plain CPU, bf16 on the interpreter, fp64, no Triton installed) computes the same function with PyTorch ops.
 """
 from __future__ import annotations
 
@@ -211,6 +214,8 @@ def _backward(ctx, dy, _grad_post, _grad_act_grad):
         return None, None, None, None
     x2d, w_up, w_down, post, act_grad = ctx.saved_tensors
     need_x, need_w_up, need_w_down, _ = ctx.needs_input_grad
+    if torch.is_grad_enabled():  # create_graph=True (a training step's backward, compiled or not, runs without)
+        return (*_differentiable_backward(dy, x2d, w_up, w_down, need_x, need_w_up, need_w_down), None)
     dx = dw_up = dw_down = None
     if need_w_down:
         dw_down = dy.t().mm(post)
@@ -221,6 +226,16 @@ def _backward(ctx, dy, _grad_post, _grad_act_grad):
         if need_w_up:
             dw_up = dpre.t().mm(x2d)
     return dx, dw_up, dw_down, None
+
+
+def _differentiable_backward(dy, x2d, w_up, w_down, need_x: bool, need_w_up: bool, need_w_down: bool):
+    """The backward in PyTorch ops from a recomputed pre-activation, for a second-order gradient: the saved post and
+    act_grad are cut from the graph, so dW_down = dyᵀ·post lost its path to x and W_up (a review found the second
+    order gradient of x off by a third, silently), and mlp_dpre has no autograd formula of its own."""
+    pre = x2d.mm(w_up.t())
+    dpre = dy.mm(w_down) * leaky_relu_sq_grad(pre)
+    return (dpre.mm(w_up) if need_x else None, dpre.t().mm(x2d) if need_w_up else None,
+            dy.t().mm(leaky_relu_sq(pre)) if need_w_down else None)
 
 
 mlp_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -313,6 +313,31 @@ def test_falls_back_to_reference_where_kernels_cannot_run(monkeypatch):
 
 
 @interpreted
+def test_bf16_cpu_streams_take_the_reference_not_the_interpreter():
+    """The interpreter has no bfloat16 (its bf16 projection came out ~1e11 off, its stores truncate): bf16 CPU
+    streams take the reference, fp32/fp16 ones the interpreted kernels."""
+    inp = make_inputs(4, 48, (5,), dtype=torch.bfloat16)
+    assert not K.kernels_run_on(inp["x"])
+    assert K.kernels_run_on(inp["x"].float()) and K.kernels_run_on(inp["x"].half())
+    for name in ("pre", "post", "post_pre"):
+        for mine, ref in zip(call(K, name, inp), call(R, name, inp)):
+            assert torch.equal(mine, ref), name
+
+
+@interpreted
+def test_the_ops_saved_projections_are_not_differentiable():
+    """raw and inv_rms leave the forward ops for the backward only; a gradient sent into them was dropped, so
+    autograd must not offer one (found by a review: (raw**2).sum().backward() left x.grad at zero)."""
+    inp = make_inputs(4, 48, (5,))
+    x = inp["x"].clone().requires_grad_()
+    *_, raw, rinv = torch.ops.mhcgolf.mhc_pre_fwd(x, inp["phi"], inp["alpha"], inp["bias"], 20)
+    assert not raw.requires_grad and not rinv.requires_grad
+    outs = torch.ops.mhcgolf.mhc_post_pre_fwd(x, inp["h_res"], inp["h_post"], inp["y"], inp["phi"], inp["alpha"],
+                                              inp["bias"], 20)
+    assert outs[0].requires_grad and not outs[4].requires_grad and not outs[5].requires_grad
+
+
+@interpreted
 @pytest.mark.parametrize("bad,match", [
     (dict(x=torch.randn(5, 3, 48)), re.escape("n_streams in (2, 4, 8), got n=3")),
     (dict(x=torch.randn(5, 4, 40), phi=torch.randn(160, 24), y=torch.randn(5, 40)), "multiple of 16"),

@@ -223,6 +223,21 @@ def test_interpreter_broadcast_grad_and_partial_requires_grad(interpreter, sched
     assert w_up.grad is None and w_down.grad is None
 
 
+def test_second_order_gradients_match_the_reference(interpreter):
+    """backward(create_graph=True) through the fused op: dW_down = dyᵀ·post came from the saved, non-differentiable
+    post, so a gradient penalty's second-order term lost its path to x and W_up without an error."""
+    x, w_up, w_down = make_inputs((11,), 16, 32, torch.float32)
+    grads = []
+    for fn in (mlp.fused_mlp, mlp_reference):
+        leaves = [t.double().requires_grad_() for t in (x, w_up, w_down)]
+        y = fn(*leaves)
+        g_x, g_up, g_down = torch.autograd.grad(y.square().sum(), leaves, create_graph=True)
+        (y.sum() + g_x.square().sum() + g_up.square().sum() + 1e-3 * g_down.square().sum()).backward()
+        grads.append([t.grad for t in leaves])
+    for name, mine, ref in zip(("x", "w_up", "w_down"), *grads):
+        assert rel_err(mine, ref) < 1e-9, name
+
+
 def test_cpu_without_interpreter_uses_pytorch_ops(no_interpreter):
     x, w_up, w_down = make_inputs((3, 7), 16, 40, torch.float32)
     assert not mlp_triton.kernels_interpreted() and not mlp.kernels_used_for(x)
