@@ -41,13 +41,21 @@ from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit  
 from training.export import export_model  # noqa: E402
 
 
+NO_WEIGHTS = ("{checkpoint}: no rank0.pt (hint: pass a step_NNNNNNNN folder written by train.py's checkpointer, e.g. "
+              "runs/checkpoints/RUN/step_00000500)")
+
+
+def checkpoint_weights(checkpoint: Path) -> Path | None:
+    path = checkpoint / "rank0.pt"
+    return path if path.is_file() else None
+
+
 def load_weights(checkpoint: Path, model: torch.nn.Module) -> tuple[str, float]:
     """Put the checkpoint's shipped weights into `model`; returns which ones ('ema' or 'model') and the seconds of
     training the checkpoint records (the export checks calibration against the budget left after them)."""
-    path = checkpoint / "rank0.pt"
-    if not path.is_file():
-        raise SystemExit(f"{checkpoint}: no rank0.pt (hint: pass a step_NNNNNNNN folder written by train.py's "
-                         "checkpointer, e.g. runs/checkpoints/RUN/step_00000500)")
+    path = checkpoint_weights(checkpoint)
+    if path is None:
+        raise SystemExit(NO_WEIGHTS.format(checkpoint=checkpoint))
     state = torch.load(path, map_location="cpu", weights_only=True)
     try:
         model.load_state_dict(state["model"])
@@ -91,8 +99,8 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         out.append(f"| {r['variant']} | {r['method']}, {r['allocator']}, {r['error_weight']} | "
                    f"{r['artifact_bytes']:,} | {r['total_bytes']:,} | "
-                   f"{r['n_int6']} / {r['n_int5']} / {r['n_int4']} | {r['phi_bits']} | {r['val_bpb']:.4f} | "
-                   f"{r['gap']:+.4f} | {r['export_seconds']:.1f} |")
+                   f"{r['n_int6']} / {r['n_int5']} / {r['n_int4']} | {r['phi_bits']} | {r['val_bpb']:.6f} | "
+                   f"{r['gap']:+.6f} | {r['export_seconds']:.1f} |")
     return "\n".join(out)
 
 
@@ -109,6 +117,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     for flag, path, folder in (("--out", args.out, False), ("--keep", args.keep, True)):
         if path and (problem := output_problem(path, folder)):
             p.error(f"{flag} {path}: {problem}")
+    if checkpoint_weights(args.checkpoint) is None:  # before the shards, the byte audit and the device are set up
+        p.error(NO_WEIGHTS.format(checkpoint=args.checkpoint))
     return args, common
 
 
@@ -132,7 +142,7 @@ def main(argv=None) -> int:
     amp = torch.bfloat16 if device.type == "cuda" else None
     pre = evaluate_bpb(model, val_tokens, lut, context=cfg.eval.context, stride=cfg.eval.stride,
                        batch_seqs=cfg.eval.batch_seqs, device=device, autocast_dtype=amp)
-    print(f"{args.checkpoint} ({source} weights): float val_bpb {pre['val_bpb']:.4f} on {pre['tokens']:,} tokens")
+    print(f"{args.checkpoint} ({source} weights): float val_bpb {pre['val_bpb']:.6f} on {pre['tokens']:,} tokens")
     sha = file_sha256(cfg.data.tokenizer)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -153,7 +163,7 @@ def main(argv=None) -> int:
                          **{k: report[k] for k in ("method", "allocator", "error_weight", "n_int6", "n_int5", "n_int4")},
                          **{k: scored[k] for k in ("artifact_bytes", "total_bytes", "fits_cap", "val_bpb", "val_loss")},
                          "gap": scored["val_bpb"] - pre["val_bpb"], "export_seconds": seconds})
-            print(f"{v.name}: {rows[-1]['total_bytes']:,} B, val_bpb {rows[-1]['val_bpb']:.4f}", flush=True)
+            print(f"{v.name}: {rows[-1]['total_bytes']:,} B, val_bpb {rows[-1]['val_bpb']:.6f}", flush=True)
     print("\n" + format_table(rows))
     if args.out:
         write_atomic(args.out, (json.dumps({"config": args.config, "checkpoint": str(args.checkpoint),

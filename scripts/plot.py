@@ -60,6 +60,14 @@ def final_point(log: RunLogData) -> dict | None:
             "val_bpb": scored["val_bpb"]}
 
 
+def require_axis(source: str, records: list[dict], key: str, kind: str) -> None:
+    """Every record drawn has the x-axis field (train.py writes it on each): a KeyError otherwise named neither."""
+    for record in records:
+        if key not in record:
+            raise LogFormatError(f"{source}: the `{kind}` record of step {record['step']} has no {key!r} field, which "
+                                 "this axis needs (hint: another --x, or a log train.py wrote)")
+
+
 def finite(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
@@ -70,6 +78,7 @@ def loss_figure(logs: list[RunLogData], labels: list[str], axis: str) -> Figure:
     fig, ax = plt.subplots(figsize=(8, 5))
     for log, label in zip(logs, labels):
         steps, scale = log.require_steps(), axis_scale(log, axis)
+        require_axis(log.source, steps, key, "step")
         points = [(s[key] * scale, s["loss"]) for s in steps if finite(s["loss"])]
         if not points:
             print(f"plot: {log.source}: no finite training loss to draw", file=sys.stderr)
@@ -90,7 +99,8 @@ def bpb_figure(logs: list[RunLogData], labels: list[str], axis: str) -> Figure |
     drawn = False
     for log, label in zip(logs, labels):
         scale = axis_scale(log, axis)
-        curve = [(e[key] * scale, e["val_bpb"]) for e in log.evals if key in e and finite(e["val_bpb"])]
+        require_axis(log.source, log.evals, key, "eval")
+        curve = [(e[key] * scale, e["val_bpb"]) for e in log.evals if finite(e["val_bpb"])]
         final = final_point(log)
         color = None
         if curve:

@@ -97,6 +97,20 @@ def test_bad_json_names_file_and_line():
         parse_lines(['step {"step": 1, "loss": 5.0}', 'step {"step": 2, "loss"'], "broken.txt")
 
 
+def test_a_record_without_a_field_the_plots_read_is_named(tmp_path):
+    """A step line without its loss, an eval without its val_bpb, or a record without the training time the time
+    axis needs ended in a bare KeyError that named neither file nor line (found by a review)."""
+    with pytest.raises(LogFormatError, match=r"cut.txt:2: `step` record has no 'loss' field"):
+        parse_lines(['step {"step": 1, "loss": 5.0}', 'step {"step": 2, "lr_mult": 1.0}'], "cut.txt")
+    with pytest.raises(LogFormatError, match=r"cut.txt:1: `eval` record has no 'val_bpb' field"):
+        parse_lines(['eval {"step": 1, "val_loss": 2.0}'], "cut.txt")
+    log = tmp_path / "untimed.txt"
+    log.write_text('step {"step": 1, "loss": 5.0, "train_time_s": 0.5}\nstep {"step": 2, "loss": 4.0}\n')
+    with pytest.raises(SystemExit, match=r"plot: .*untimed.txt: the `step` record of step 2 has no 'train_time_s' "
+                                         r"field, which this axis needs"):
+        plot.main([str(log), "--out", str(tmp_path / "plots")])
+
+
 def test_figures_overlay_runs_with_run_id_legend(tmp_path, capsys):
     a = parse_log(write_log(tmp_path / "a.txt", "run-a", [3.0, 2.0, 1.5], evals={2: 1.8, 3: 1.6}, final_bpb=1.65))
     b = parse_log(write_log(tmp_path / "b.txt", "run-b", [3.1, 2.9], final_bpb=2.2, seconds_per_step=2.0))
