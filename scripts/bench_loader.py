@@ -8,7 +8,8 @@
 2. training loop: every step takes a batch, then simulates a step of --step-ms: a sleep on CPU, on CUDA a
    matmul loop that reads the batch, calibrated to --step-ms and synchronized at the end of each step
    (as a loss.item() would). `wait` is the time spent inside next_batch(); `overhead` compares the loop's
-   wall time with the same number of simulated steps on a fixed, already-resident batch.
+   wall time with as many simulated steps on a fixed, already-resident batch, in 5 alternating rounds (the
+   median and the range: a difference of two timings is as noisy as the steps it times).
 Without --files it writes 4 temporary shards of --synthetic-tokens random tokens (default 20M each).
 """
 from __future__ import annotations
@@ -86,25 +87,34 @@ def throughput(loader: TokenLoader, steps: int, device: torch.device) -> float:
     return steps * x.numel() / (time.perf_counter() - t0)
 
 
+ROUNDS = 5  # the overhead is a difference of two timings: measured in alternating rounds, its spread is shown
+
+
 def training_loop(loader: TokenLoader, steps: int, step: SimulatedStep, device: torch.device) -> dict:
+    """`steps` loader steps in ROUNDS blocks, each after a block as long on a fixed, already-resident batch; the
+    overhead is each round's (loader - resident) / loader, reported as the median and the range over rounds."""
     x, _ = loader.next_batch()
     step(x)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step(x)
-    baseline = time.perf_counter() - t0
-    waits = []
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        t = time.perf_counter()
-        x, _ = loader.next_batch()
-        waits.append(time.perf_counter() - t)
-        step(x)
-    total = time.perf_counter() - t0
+    waits, overheads, total = [], [], 0.0
+    for r in range(ROUNDS):
+        block = steps // ROUNDS + (r < steps % ROUNDS)
+        t0 = time.perf_counter()
+        for _ in range(block):
+            step(x)
+        resident = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(block):
+            t = time.perf_counter()
+            x, _ = loader.next_batch()
+            waits.append(time.perf_counter() - t)
+            step(x)
+        fed = time.perf_counter() - t0
+        overheads.append((fed - resident) / fed)
+        total += fed
     waits_ms = np.array(waits) * 1000
     return {"step_ms": total * 1000 / steps, "wait_ms": float(waits_ms.mean()),
             "wait_p99_ms": float(np.percentile(waits_ms, 99)), "wait_share": float(waits_ms.sum() / 1000 / total),
-            "overhead": (total - baseline) / total}
+            "overhead": float(np.median(overheads)), "overhead_min": min(overheads), "overhead_max": max(overheads)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -117,20 +127,30 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--step-ms", type=float, default=100.0)
     p.add_argument("--synthetic-tokens", type=int, default=20_000_000, help="tokens per synthetic shard")
     a = p.parse_args(argv)
+    for flag, value, least in (("--seq-len", a.seq_len, 1), ("--batch-seqs", a.batch_seqs, 1),
+                               ("--steps", a.steps, ROUNDS), ("--step-ms", a.step_ms, 0),
+                               ("--synthetic-tokens", a.synthetic_tokens, 1)):
+        if value < least:
+            p.error(f"{flag} must be >= {least}, got {value}" + (f" ({ROUNDS} rounds of the training loop)"
+                                                                 if flag == "--steps" else ""))
     device = torch.device(a.device)
     with tempfile.TemporaryDirectory() as tmp:
-        files = list_shards(a.files) if a.files else synthetic_shards(Path(tmp), 4, a.synthetic_tokens)
-        with TokenLoader(files, a.seq_len, a.batch_seqs, seed=0, device=device) as loader:
+        try:
+            files = list_shards(a.files) if a.files else synthetic_shards(Path(tmp), 4, a.synthetic_tokens)
+            loader = TokenLoader(files, a.seq_len, a.batch_seqs, seed=0, device=device)
+        except (FileNotFoundError, ValueError) as e:  # no shard matches; a bad shard (ShardError)
+            raise SystemExit(f"bench_loader: {e}") from None
+        with loader:
             tok_s = throughput(loader, a.steps, device)
             loop = training_loop(loader, a.steps, SimulatedStep(a.step_ms, device), device)
     row = {"device": str(device), "seq_len": a.seq_len, "batch_seqs": a.batch_seqs, "shards": len(files),
            "tokens_per_s": tok_s, **loop}
     print("| device | seq_len x batch | shards | loader tokens/s | step ms | wait ms/step (p99) | wait share | "
-          "overhead vs resident batch |")
+          f"overhead vs resident batch, median (range of {ROUNDS} rounds) |")
     print("|---|---|---|---|---|---|---|---|")
     print(f"| {row['device']} | {a.seq_len} x {a.batch_seqs} | {len(files)} | {tok_s / 1e6:.1f}M | {loop['step_ms']:.1f} "
           f"| {loop['wait_ms']:.3f} ({loop['wait_p99_ms']:.3f}) | {100 * loop['wait_share']:.2f}% "
-          f"| {100 * loop['overhead']:.2f}% |")
+          f"| {100 * loop['overhead']:.2f}% ({100 * loop['overhead_min']:.2f} to {100 * loop['overhead_max']:.2f}%) |")
     return row
 
 

@@ -13,6 +13,23 @@ def test_bench_on_synthetic_shards(capsys):
     table = capsys.readouterr().out
     assert "| cpu | 64 x 4 | 4 |" in table
     assert row["tokens_per_s"] > 0 and row["step_ms"] >= 2 and 0 <= row["wait_share"] < 1
+    assert row["overhead_min"] <= row["overhead"] <= row["overhead_max"]
+    assert "overhead vs resident batch, median (range of 5 rounds)" in table
+
+
+@pytest.mark.parametrize("argv,says", [(["--steps", "0"], "--steps must be >= 5, got 0 (5 rounds"),
+                                       (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+                                       (["--batch-seqs", "-2"], "--batch-seqs must be >= 1, got -2"),
+                                       (["--step-ms", "-1"], "--step-ms must be >= 0, got -1.0")])
+def test_bad_arguments_are_refused_by_name(argv, says, capsys):
+    with pytest.raises(SystemExit) as exit_:  # --steps 0 was an UnboundLocalError
+        main(argv)
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_shards_that_do_not_exist_are_named(tmp_path):
+    with pytest.raises(SystemExit, match=rf"bench_loader: no shard files match '{tmp_path}/nowhere_\*\.bin'"):
+        main(["--files", str(tmp_path / "nowhere_*.bin"), "--steps", "5"])
 
 
 def test_bench_on_given_files(tmp_path, capsys):
