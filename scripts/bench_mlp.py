@@ -5,13 +5,17 @@
 Times forward (training forward, inputs require grad), backward (torch.autograd.grad, timed alone after
 an untimed forward) and forward+backward in bf16 with CUDA events (medians), and reports TFLOP/s against
 the bf16 matrix-product peak measured in the same run (a large torch.mm on random data). Also times the
-two Triton GEMMs alone in every schedule beside cuBLAS for the same product, and lists the GPU kernels of
-one forward+backward of the compiled versions (torch.profiler).
+two Triton GEMMs alone in every schedule beside cuBLAS for the same product (compiled and autotuned into an empty
+Triton cache, so the autotuner's table and the first launch are this run's), and lists the GPU kernels of one
+forward+backward of the compiled versions (torch.profiler).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -93,6 +97,20 @@ def first_call_seconds(fn, x, w_up, w_down) -> float:
     fn(*leaves).sum().backward()
     torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def env_var(name: str, value: str):
+    """Sets an environment variable for the block and restores what was there."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def config_label(config) -> str:
@@ -205,7 +223,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, di
           f"triton {__import__('triton').__version__}")
     print(f"shape: {t} x {d} -> {h} -> {d}, bf16; matmul peak (torch.mm {PEAK_SIZE}^3 bf16): {peak:.0f} TFLOP/s")
 
-    gemms, tuning = gemm_rows(x, w_up, w_down, args.rep_ms)
+    # The kernels autotune with cache_results: on a warm Triton cache the first launch would load an earlier run's
+    # choice and print its timings as this run's. An empty cache makes them this run's (compiling everything anew).
+    with tempfile.TemporaryDirectory(prefix="bench_mlp_triton_") as cache, env_var("TRITON_CACHE_DIR", cache):
+        gemms, tuning = gemm_rows(x, w_up, w_down, args.rep_ms)
     print_table("Autotuner timings (median ms per config)", ["GEMM", "config", "ms"], tuning)
     print_table("Single GEMMs (same product)", ["GEMM", "ms", "TFLOP/s", "% peak", "config", "first launch s"],
                 [[n, f"{ms:.3f}", f"{f / ms / 1e9:.0f}", f"{100 * f / ms / 1e9 / peak:.0f}%", c, f"{s:.1f}"]

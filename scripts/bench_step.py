@@ -133,6 +133,9 @@ def main(argv=None) -> list[dict]:
         dist = init_distributed(configs[0].train.device)  # train.device=cuda without a GPU is a ConfigError
     except ConfigError as e:
         p.error(str(e))
+    if a.warmup == 0 and any(cfg.train.compile for cfg in configs):  # compilation would land in the timed steps
+        p.error("--warmup 0 with train.compile=true times torch.compile's first step as a training step "
+                "(hint: --warmup 1 or more, or train.compile=false)")
     if dist.device.type != "cuda":  # the Triton variants would time the PyTorch fallback under their names
         print0("bench_step: no GPU: the *-kernels variants run the PyTorch reference here, and the default config is "
                "the record-size model (hint: --config configs/demo.toml for a CPU check)", file=sys.stderr)

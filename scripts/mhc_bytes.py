@@ -10,6 +10,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import mhc_reference as R  # noqa: E402
+from model.config import KERNEL_STREAMS  # noqa: E402
 
 
 def floor_bytes_per_token(n: int, C: int, stream_bytes: int = 2) -> dict[str, int]:
@@ -100,7 +101,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="What the mHC bytes allow: the floor and this kernel design's own bytes "
                                 "per token, in milliseconds per unit and per training step at a copy bandwidth. "
                                 "Arithmetic, not a measurement (scripts/bench_kernels.py mhc measures).")
-    p.add_argument("--n", type=int, nargs="+", default=[4, 2], help="streams (default: 4 2)")
+    p.add_argument("--n", type=int, nargs="+", default=[4, 2], choices=KERNEL_STREAMS,
+                   help="streams: the n the kernels take (default: 4 2)")
     p.add_argument("--C", type=int, default=512, help="stream width, the model's d_model (default 512)")
     p.add_argument("--tokens", type=int, default=98_304, help="tokens per GPU per step (default 98,304)")
     p.add_argument("--sublayers", type=int, default=22, help="mHC units per step: 2 per block (default 22)")

@@ -166,7 +166,11 @@ def test_mhc_bytes_prints_what_the_floor_allows_per_step(capsys):
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
     assert rows[0][:8] == ["| 4", "26,200", "35,832", "0.859", "1.174", "18.9", "25.8", "99.7"]
     assert rows[1][0] == "| 2" and rows[1][7:] == ["92.7", "1.05x |"]
-    for argv, says in ((["--n", "0"], "--n must be positive"), (["--gbps", "-1"], "--gbps must be positive"),
+    mhc_bytes.main(["--n", "4", "--sublayers", "11"])  # mHC around half the sublayers: half the step's ms
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows == [["| 4", "26,200", "35,832", "0.859", "1.174", "9.4", "12.9 |"]]
+    for argv, says in ((["--n", "0"], "argument --n: invalid choice: 0"), (["--n", "1"], "invalid choice: 1"),
+                       (["--n", "3"], "invalid choice: 3"), (["--gbps", "-1"], "--gbps must be positive"),
                        (["--rest-ms", "3"], "--rest-ms takes one value per --n (2), got 1"),
                        (["--plain-ms", "3"], "--plain-ms needs --rest-ms")):
         with pytest.raises(SystemExit):

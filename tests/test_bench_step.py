@@ -107,6 +107,9 @@ def test_counts_and_a_missing_gpu_are_one_line_each(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             bench_step.main([*flags, "--variants", "n1-ref"])
         assert "need --steps >= 1, --warmup >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_step.main(["--warmup", "0", "--variants", "n1-ref"])  # the default config compiles
+    assert "--warmup 0 with train.compile=true times torch.compile's first step" in capsys.readouterr().err
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             bench_step.main(["--variants", "n1-ref", "train.device=cuda"])

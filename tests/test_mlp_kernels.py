@@ -399,11 +399,32 @@ def test_bench_without_gpu_exits_with_message():
         bench_mlp.main(["--tokens", "64"])
 
 
+def test_bench_env_var_sets_and_restores(monkeypatch):
+    """bench_mlp autotunes into an empty Triton cache (a warm one printed an earlier run's timings as its own) and
+    gives the variable back as it was, set or not."""
+    from scripts.bench_mlp import env_var
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/before")
+    with env_var("TRITON_CACHE_DIR", "/during"):
+        assert os.environ["TRITON_CACHE_DIR"] == "/during"
+    assert os.environ["TRITON_CACHE_DIR"] == "/before"
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    with pytest.raises(RuntimeError), env_var("TRITON_CACHE_DIR", "/during"):
+        raise RuntimeError
+    assert "TRITON_CACHE_DIR" not in os.environ
+
+
 @pytest.mark.gpu
 @needs_cuda
-def test_bench_runs_small_shape(capsys):
+def test_bench_runs_small_shape(capsys, monkeypatch):
     from scripts import bench_mlp
+    seen, real_rows = [], bench_mlp.gemm_rows
+
+    def gemm_rows(*args):
+        seen.append(os.environ["TRITON_CACHE_DIR"])
+        return real_rows(*args)
+    monkeypatch.setattr(bench_mlp, "gemm_rows", gemm_rows)
     times = bench_mlp.main(["--tokens", "2048", "--d-model", "256", "--hidden", "512", "--rep-ms", "20"])
+    assert "bench_mlp_triton_" in seen[0] and os.environ.get("TRITON_CACHE_DIR") != seen[0]
     assert set(times) == {"fused, auto schedule (eager)", "fused, tiled (torch.compile)",
                           "fused, tma (torch.compile)", "reference (torch.compile)", "reference (eager)"}
     assert all(ms > 0 for passes in times.values() for ms in passes.values())
