@@ -302,11 +302,19 @@ def test_a_shard_renamed_over_or_moved_keeps_training_from_its_map(tmp_path):
     the memory map still held the intact file (found by a review of the check); an old single-rank state loads."""
     path = tmp_path / "s.bin"
     write_shard(path, np.arange(5000))
+    with TokenLoader([str(path)], 16, 2, prefetch=0) as reference:  # the same seed on a file left alone
+        expect = [reference.next_batch()[0] for _ in range(4)]
+    write_shard(tmp_path / "copy.bin", np.arange(5000))
+    os.replace(tmp_path / "copy.bin", path)
     with TokenLoader([str(path)], 16, 2, prefetch=0) as loader:
-        loader.next_batch()
-        write_shard(path, np.arange(3000))  # a new, shorter file renamed into place
-        loader.next_batch()
+        got = [loader.next_batch()[0]]
+        write_shard(path, np.full(3000, 7))  # a new, shorter file renamed into place
+        got.append(loader.next_batch()[0])
         os.remove(path)
-        loader.next_batch()
+        got.append(loader.next_batch()[0])
         state = {**loader.state_dict(), "format": 1}
         loader.load_state_dict(state)  # format 1 = format 2 for one rank
+        got.append(loader.next_batch()[0])
+    # the batches come from the map of the file opened (the new file holds only 7s), and the old state resumes
+    # where it was
+    assert all(torch.equal(a, b) for a, b in zip(got, expect))

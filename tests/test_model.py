@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from kernels.mhc_reference import mhc_coefficients, mhc_init_bias, sinkhorn_knopp
 from model.config import ModelConfig
 from model.gpt import GPT
-from model.layers import Attention
+from model.layers import MLP, Attention
 from model.mhc import MHCParams
 from training.config import OptimConfig
 
@@ -342,3 +342,27 @@ def test_stream_readout_is_no_matrix_product():
     assert products, "the profile saw no matrix products at all (the test would pass vacuously)"
     assert not [s for s in products if any(flat in dims for dims in s)], products
     assert model.readout.grad is not None and model.readout.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_model_mlp_kernel_routes_every_mlp_through_the_fused_op(on, monkeypatch):
+    """model.mlp_kernel=true sends each block's MLP through kernels.mlp.fused_mlp (Triton where it runs), false
+    through the nn.Linear modules; the two compute the same function."""
+    import kernels.mlp as fused
+    calls = []
+    real = fused.fused_mlp
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(fused, "fused_mlp", counted)
+    torch.manual_seed(0)
+    model = randomize_(GPT(tiny(n_streams=1, mlp_kernel=on)))
+    idx = torch.randint(0, 64, (2, 8))
+    logits = model.logits(idx)
+    assert len(calls) == (model.cfg.n_layers if on else 0)
+    mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    assert len(mlps) == model.cfg.n_layers and all(m.use_kernel == on for m in mlps)
+    for m in mlps:
+        m.use_kernel = not on
+    assert torch.allclose(model.logits(idx), logits, atol=1e-5)

@@ -211,6 +211,25 @@ class SliceLoader:
         return part[:, :-1], part[:, 1:]
 
 
+def test_the_step_clips_gradients_at_optim_grad_clip():
+    """train_step hands optim.grad_clip to the optimizer step: a clip far below the gradient's norm leaves AdamW's
+    tables (whose update is scale-free only above its epsilon) nearly still, no clip moves them by ~lr per entry."""
+    moved = {}
+    for clip in (0.0, 1e-12):
+        cfg = load_config(REPO / "configs/demo.toml", ["model.n_layers=1", "model.d_model=32", "model.n_heads=2",
+                                                       "model.n_kv_heads=1", "model.vocab_size=64", "data.seq_len=16",
+                                                       "train.batch_tokens=128", "train.micro_batch_seqs=8",
+                                                       f"optim.grad_clip={clip}"])
+        torch.manual_seed(0)
+        model = GPT(cfg.model)
+        before = model.embed.weight.detach().clone()
+        opts = build_optimizers(model.param_groups(), cfg.optim)
+        batch = torch.randint(0, 64, (8, 17), generator=torch.Generator().manual_seed(0))
+        train_step(model, SliceLoader(batch, 1, 0, 1), opts, cfg, 1, torch.device("cpu"))
+        moved[clip] = (model.embed.weight.detach() - before).abs().max().item()
+    assert moved[0.0] > 1e-3 and moved[1e-12] < 1e-2 * moved[0.0], moved
+
+
 def run_steps(rank: int, world: int, port: int, n_steps: int, out: str) -> None:
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
