@@ -332,3 +332,21 @@ def test_the_code_digest_follows_the_sources_and_is_none_where_the_walk_fails(tm
     assert code_digest(tmp_path) not in (None, first)
     (tmp_path / "train.py").write_text("from .helper import X\n")
     assert code_digest(tmp_path) is None
+
+
+def test_the_record_script_counts_the_config_it_is_given(tmp_path):
+    """train_gpt.py --config FILE counts FILE beside itself as the code that ships (config.toml when not given)."""
+    from scripts.train_gpt_template import BOOTSTRAP
+    script = tmp_path / "train_gpt.py"
+    script.write_text(BOOTSTRAP, encoding="utf-8")
+    (tmp_path / "config.toml").write_text("#" * 100)
+    other = tmp_path / "other.toml"
+    other.write_text("#" * 7)
+    record = {"__file__": str(script), "__name__": "record"}
+    exec(compile(BOOTSTRAP, str(script), "exec"), record)
+    assert record["config_path"](["--config", str(other), "train.seed=1"]) == str(other)
+    assert record["config_path"](["train.seed=1"]) == str(tmp_path / "config.toml")
+    size = script.stat().st_size
+    assert record["script_code_bytes"](record["config_path"](["--config", str(other)])) == size + 7
+    assert record["script_code_bytes"](record["config_path"]([])) == size + 100
+    assert record["script_code_bytes"](tmp_path / "gone.toml") == size  # a missing config is train.py's error

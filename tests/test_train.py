@@ -94,6 +94,13 @@ def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path,
     windows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (windows["context"], windows["stride"]) == (32, 0) and windows["val_bpb"] != final["val_bpb"]
     assert windows["code_bytes"] == 1290 and windows["total_bytes"] == final["artifact_bytes"] + 1290
+    # every window flag overrides what the artifact recorded; batching changes no score
+    evaluate.main(args + ["--context", "24", "--stride", "8", "--max-tokens", "1000", "--batch-seqs", "3"])
+    told = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (told["context"], told["stride"], told["max_tokens"], told["tokens"]) == (24, 8, 1000, 999)
+    evaluate.main(args + ["--context", "24", "--stride", "8", "--max-tokens", "1000", "--batch-seqs", "64"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["val_bpb"] == pytest.approx(told["val_bpb"],
+                                                                                                     rel=1e-6)
     with pytest.raises(SystemExit):
         evaluate.main(args + ["--code", str(tmp_path / "gone.py")])
     assert f"--code {tmp_path / 'gone.py'}: no such file (hint:" in capsys.readouterr().err
