@@ -34,7 +34,7 @@ def test_real_variants_run_side_by_side_and_a_failure_is_reported(demo_dir, tmp_
     assert summary["common"] == common
 
 
-def test_variants_are_checked_before_anything_runs(monkeypatch, tmp_path):
+def test_variants_are_checked_before_anything_runs(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(ablate, "run_all", lambda *a: pytest.fail("nothing may run"))
     with pytest.raises(SystemExit, match="variant b: .*model.n_streams"):
         ablate.main(["--config", CONFIG, "--variant", "a=model.n_streams=1", "--variant", "b=model.n_streams=0",
@@ -45,9 +45,10 @@ def test_variants_are_checked_before_anything_runs(monkeypatch, tmp_path):
         ablate.main(["--config", CONFIG, "--variant", "bad name=model.n_streams=1"])
     with pytest.raises(SystemExit):
         ablate.main(["--config", CONFIG, "--variant", "a=", "--parallel", "0", "--gpus", "none"])
+    assert "error: --parallel 0: expected >= 1" in capsys.readouterr().err
 
 
-def test_gpus_overrides_and_out_are_checked_before_anything_runs(tmp_path, monkeypatch):
+def test_gpus_overrides_and_out_are_checked_before_anything_runs(tmp_path, monkeypatch, capsys):
     """Found by a review: --gpus 0,1 on a machine without them (or --gpus a, which hides every GPU) silently ran on
     the CPU; an unclosed quote in a variant was a traceback; an --out that cannot be written failed after every
     variant had trained."""
@@ -56,11 +57,13 @@ def test_gpus_overrides_and_out_are_checked_before_anything_runs(tmp_path, monke
     for gpus in ("0,2", "a", "0,0"):
         with pytest.raises(SystemExit):
             ablate.main(["--config", CONFIG, "--variant", "a=", "--gpus", gpus])
+        assert f"error: --gpus {gpus}: expected distinct GPU indices below 2" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="the overrides do not split as a shell would"):
         ablate.main(["--config", CONFIG, "--variant", "a=model.n_streams=1 \"unclosed", "--gpus", "none"])
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit):
         ablate.main(["--config", CONFIG, "--variant", "a=", "--gpus", "none", "--out", str(tmp_path / "file" / "x")])
+    assert f"error: --out {tmp_path / 'file' / 'x'}: {tmp_path / 'file'} is a file" in capsys.readouterr().err
     args, _ = ablate.parse_args(["--config", CONFIG, "--variant", "a="])
     assert args.gpus == "0,1"  # every visible GPU by default
 

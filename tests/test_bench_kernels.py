@@ -54,7 +54,7 @@ def test_bench_kernel_bytes_count_what_each_launch_of_the_unit_passes():
                                          "73.1% of the floor at most")
 
 
-def test_bench_mhc_flags_parse_and_reject_bad_values():
+def test_bench_mhc_flags_parse_and_reject_bad_values(capsys):
     from scripts.bench_kernels import SWEEP, parse_mhc_args
     args = parse_mhc_args([])
     assert (args.tokens, args.n, args.C, args.rep_ms, args.sweep) == ([32_768, 98_304], 4, 512, 200, [])
@@ -65,10 +65,16 @@ def test_bench_mhc_flags_parse_and_reject_bad_values():
     args = parse_mhc_args(["--impls", "triton, eager", "--profile-once"])
     assert (args.impls, args.profile_once) == (["triton", "eager"], True)
     assert parse_mhc_args(["--impls", "triton-graph"]).impls == ["triton-graph"]  # asked for, never by default
-    for bad in (["--n", "3"], ["--C", "40"], ["--tokens", "0"], ["--rep-ms", "-1"], ["--impls", "cuda"],
-                ["--impls", ","], ["--sweep", "stream_fwd"]):
+    for bad, says in ((["--n", "3"], "--n must be a power of two >= 2 and --C a positive multiple of 16, got n=3"),
+                      (["--C", "40"], "got n=4 C=40"), (["--tokens", "0"], "--tokens and --rep-ms must be positive"),
+                      (["--rep-ms", "-1"], "got [32768, 98304] and -1"),
+                      (["--impls", "cuda"], "--impls must name some of eager,compiled,triton,triton-graph, got "
+                                            "['cuda']"),
+                      (["--impls", ","], "--impls must name some of eager,compiled,triton,triton-graph, got nothing"),
+                      (["--sweep", "stream_fwd"], "--sweep takes 'all' or kernels among coef_premix,")):
         with pytest.raises(SystemExit):
             parse_mhc_args(bad)
+        assert says in capsys.readouterr().err, bad
 
 
 @pytest.mark.parametrize("n", [4, 2])

@@ -94,9 +94,10 @@ def test_a_variant_the_overrides_do_not_suit_is_refused_before_any_runs(monkeypa
     assert "model.mhc_blocks=5 needs n_streams >= 2" in capsys.readouterr().err
 
 
-def test_unknown_variant_is_refused():
+def test_unknown_variant_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench_step.main(["--variants", "n3-fast"])
+    assert "error: unknown variants ['n3-fast']; choose from ['config-kernels'," in capsys.readouterr().err
 
 
 def test_counts_and_a_missing_gpu_are_one_line_each(monkeypatch, capsys):

@@ -229,3 +229,4 @@ def test_tokenizer_cli_threads_and_sentence_length(tmp_path, monkeypatch, capsys
     with pytest.raises(SystemExit):
         tok.main(["--input", str(tmp_path / "c.txt"), "--vocab-size", "300", "--out", str(tmp_path / "u"),
                   "--num-threads", "0"])
+    assert "--num-threads must be >= 1, got 0" in capsys.readouterr().err

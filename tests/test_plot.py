@@ -178,6 +178,7 @@ def test_cli_without_any_bpb_writes_only_loss_plots(tmp_path, capsys):
     assert "no validation BPB" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # an --out that is a file: one line, not a FileExistsError traceback
         plot.main([str(a), "--out", str(a)])
+    assert f"--out {a}: {a} exists and is a file" in capsys.readouterr().err
 
 
 def test_log_without_steps_is_an_error_naming_the_file(tmp_path, capsys):

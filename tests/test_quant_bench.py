@@ -55,6 +55,7 @@ def test_artifact_state_npz(tmp_path, capsys):
 def test_bad_inputs(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--synthetic", "--widths", "4"])
+    assert "--widths [4]: expected a comma-separated subset of (5, 6)" in capsys.readouterr().err
     # each of these was a traceback or accepted silently (found by a review)
     for flags, says in ((["--widths", "a"], "--widths 'a': expected comma-separated integers"),
                         (["--widths", ""], "--widths '': expected comma-separated integers"),
@@ -66,8 +67,10 @@ def test_bad_inputs(tmp_path, capsys):
         assert says in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--synthetic", "--compressors", "gzip"])
+    assert "--compressors ['gzip']: expected a comma-separated subset of ('brotli'," in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main([])  # a source is required
+    assert "one of the arguments --artifact-state --synthetic --artifact is required" in capsys.readouterr().err
     bad = tmp_path / "int.npz"
     np.savez(bad, ids=np.arange(4))
     with pytest.raises(SystemExit, match="non-float"):

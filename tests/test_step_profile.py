@@ -86,11 +86,12 @@ def test_matrix_products_are_listed_by_operator_and_shapes():
     assert "| aten::mm | [256, 128] × [128, 256] | 1 |" in text
 
 
-def test_zero_profile_steps_are_refused():
+def test_zero_profile_steps_are_refused(capsys):
     with pytest.raises(ValueError, match="profile steps must be >= 1"):
         summarize([("k", 1.0, 1)], steps=0)
     with pytest.raises(SystemExit):
         bench_step.main(["--profile", "-1"])
+    assert "need --steps >= 1, --warmup >= 0 and --profile >= 0, got 30, 5 and -1" in capsys.readouterr().err
 
 
 def test_bench_step_profile_attributes_time_to_the_mhc_kernels(capsys):
