@@ -207,6 +207,35 @@ def test_mhc_blocks_with_the_triton_kernels_matches_the_reference():
         torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-3, msg=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled kernels in bf16)")
+@pytest.mark.parametrize("layout", [dict(n_streams=4), dict(n_streams=2, mhc_blocks=1)])
+def test_gpu_model_with_the_triton_kernels_is_as_close_to_fp32_as_the_bf16_reference(layout):
+    """The whole network on a GPU under bf16 autocast, the compiled mHC kernels and the PyTorch reference, each
+    against the reference in fp32: the kernels' loss and every gradient at most twice as far off as the bf16
+    reference's (plus a little). Compared with each other directly, sums that cancel (d alpha) differ by ~50% in bf16
+    on both sides (the interpreter test above compares the kernels with the reference exactly, in fp32)."""
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=64, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, **layout)
+    ref = randomize_(GPT(ModelConfig(**cfg))).cuda()
+    idx = torch.randint(0, 64, (4, 64), device="cuda")
+    runs = {}
+    for name, kernels, bf16 in (("fp32", False, False), ("reference", False, True), ("kernels", True, True)):
+        model = GPT(ModelConfig(**cfg, mhc_kernels=kernels)).cuda()
+        model.load_state_dict(ref.state_dict())
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(idx, idx)
+        loss.backward()
+        runs[name] = (loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
+    (exact, grads), (ref_loss, ref_grads), (ker_loss, ker_grads) = runs["fp32"], runs["reference"], runs["kernels"]
+    assert abs(ker_loss - exact) <= 2 * abs(ref_loss - exact) + 5e-3
+    assert ker_grads.keys() == grads.keys()
+    for name, g in grads.items():
+        def off(other):
+            return ((other[name] - g).norm() / g.norm().clamp_min(1e-12)).item()
+        assert off(ker_grads) <= 2 * off(ref_grads) + 0.02, (name, off(ker_grads), off(ref_grads))
+
+
 def test_single_stream_is_exactly_plain_residual_and_has_no_mhc_parameters():
     torch.manual_seed(0)
     model = randomize_(GPT(tiny(n_streams=1))).eval()
