@@ -232,35 +232,48 @@ def test_a_download_clears_its_own_staging_folder_not_another_variants(hub, tmp_
     assert hub.calls and all(c.startswith("datasets/") for c in hub.calls)
 
 
-def test_a_marker_of_a_download_still_running_or_of_another_machine_stays(hub, tmp_path, capsys):
-    """A request that finds all it needs clears a stopped request's marker, but not that of a download still
-    fetching on this machine (its glob would read a partial set), nor one it cannot check (another machine)."""
-    import socket
+@pytest.fixture
+def downloaded(hub, tmp_path):
+    """Two shards of sp1024 in place: (the --out folder, the shard folder, its marker's path)."""
     from data.shards import DOWNLOAD_MARKER
     out = tmp_path / "d"
     dl.download("sp1024", 2, out, retries=1)
     folder = out / "datasets" / "fineweb10B_sp1024"
-    marker = folder / DOWNLOAD_MARKER
-    fetching = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        for host in (socket.gethostname(), "elsewhere"):
-            marker.write_text(json.dumps({"command": "c", "files": [], "pid": fetching.pid, "host": host}))
-            dl.download("sp1024", 2, out, retries=1)
-            assert marker.exists(), host
-        assert "a data.download on elsewhere, pid" in capsys.readouterr().out
-        # this process's pid on another machine (containers reuse small pids) is not this process
-        marker.write_text(json.dumps({"command": "c", "files": [], "pid": os.getpid(), "host": "elsewhere"}))
+    return out, folder, folder / DOWNLOAD_MARKER
+
+
+@pytest.fixture
+def live_process():
+    """Another live process on this machine (it stands for a download still running)."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield process
+    process.kill()
+    process.wait()
+
+
+def test_a_marker_of_a_download_still_running_or_of_another_machine_stays(downloaded, live_process, capsys):
+    """A request that finds all it needs clears a stopped request's marker, but not that of a download still
+    fetching on this machine (its glob would read a partial set), nor one it cannot check (another machine)."""
+    import socket
+    out, folder, marker = downloaded
+    fetching = live_process
+    for host in (socket.gethostname(), "elsewhere"):
+        marker.write_text(json.dumps({"command": "c", "files": [], "pid": fetching.pid, "host": host}))
         dl.download("sp1024", 2, out, retries=1)
-        assert marker.exists()
-        # a request that has shards to fetch does not take over a live download's marker and staging folder
-        (folder / "fineweb_train_000001.bin").unlink()
-        marker.write_text(json.dumps({"command": "c", "files": [], "pid": fetching.pid, "host": socket.gethostname()}))
-        with pytest.raises(RuntimeError, match=rf"another data.download \(data.download pid {fetching.pid}\) is "
-                                               r"fetching into this folder \(hint: let it finish"):
-            dl.download("sp1024", 2, out, retries=1)
-    finally:
-        fetching.kill()
-        fetching.wait()
+        assert marker.exists(), host
+    assert "a data.download on elsewhere, pid" in capsys.readouterr().out
+    # this process's pid on another machine (containers reuse small pids) is not this process
+    marker.write_text(json.dumps({"command": "c", "files": [], "pid": os.getpid(), "host": "elsewhere"}))
+    dl.download("sp1024", 2, out, retries=1)
+    assert marker.exists()
+    # a request that has shards to fetch does not take over a live download's marker and staging folder
+    (folder / "fineweb_train_000001.bin").unlink()
+    marker.write_text(json.dumps({"command": "c", "files": [], "pid": fetching.pid, "host": socket.gethostname()}))
+    with pytest.raises(RuntimeError, match=rf"another data.download \(data.download pid {fetching.pid}\) is "
+                                           r"fetching into this folder \(hint: let it finish"):
+        dl.download("sp1024", 2, out, retries=1)
+    fetching.kill()  # the other download stops: its marker is a leftover now
+    fetching.wait()
     for pid in (0, -1, 2**40):  # a damaged marker's number is no live process
         marker.write_text(json.dumps({"command": "c", "files": [], "pid": pid, "host": socket.gethostname()}))
         assert dl.live_marker_writer(folder) is None
@@ -270,29 +283,20 @@ def test_a_marker_of_a_download_still_running_or_of_another_machine_stays(hub, t
 
 
 @pytest.mark.skipif(dl.process_identity(os.getpid()) is None, reason="needs Linux's /proc (boot id, start times)")
-def test_a_marker_whose_pid_now_names_another_process_is_a_leftover(hub, tmp_path, monkeypatch):
+def test_a_marker_whose_pid_now_names_another_process_is_a_leftover(downloaded, live_process, monkeypatch):
     """A download that stopped leaves its marker; after a reboot, or once the pid is reused, a live process holds the
     marker's pid. The marker records its writer's boot id and start time, so that process is not taken for the
     writer; a marker of the live writer itself stays, and one written before markers recorded it is kept."""
     import socket
-    from data.shards import DOWNLOAD_MARKER
-    out = tmp_path / "d"
-    dl.download("sp1024", 2, out, retries=1)
-    folder = out / "datasets" / "fineweb10B_sp1024"
-    marker = folder / DOWNLOAD_MARKER
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        writer = {"command": "c", "files": [], "pid": live.pid, "host": socket.gethostname()}
-        identity = dl.process_identity(live.pid)
-        assert identity is not None and identity != dl.process_identity(os.getpid())
-        for process, stays in ((identity, True), (None, True), ("another-boot:12345", False),
-                               (identity.split(":")[0] + ":1", False)):
-            marker.write_text(json.dumps({**writer, "process": process}))
-            dl.download("sp1024", 2, out, retries=1)
-            assert marker.exists() == stays, process
-    finally:
-        live.kill()
-        live.wait()
+    out, folder, marker = downloaded
+    writer = {"command": "c", "files": [], "pid": live_process.pid, "host": socket.gethostname()}
+    identity = dl.process_identity(live_process.pid)
+    assert identity is not None and identity != dl.process_identity(os.getpid())
+    for process, stays in ((identity, True), (None, True), ("another-boot:12345", False),
+                           (identity.split(":")[0] + ":1", False)):
+        marker.write_text(json.dumps({**writer, "process": process}))
+        dl.download("sp1024", 2, out, retries=1)
+        assert marker.exists() == stays, process
     (folder / "fineweb_train_000001.bin").unlink()  # a request that fetches records its own process
     seen, real_fetch = {}, dl.fetch
 
