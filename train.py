@@ -40,7 +40,7 @@ from training.ema import maybe_ema
 from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit
 from training.export import ARTIFACT_CODEC, artifact_budget, export_model
 from training.optim import build_optimizers
-from training.run_log import RunLog, check_log_dir, git_commit, log_path, maybe_wandb, require_wandb, versions
+from training.run_log import RunLog, check_writable_dir, git_commit, log_path, maybe_wandb, require_wandb, versions
 from training.sources import code_digest
 from training.trainer import grad_accum_steps, run_training, train_step
 
@@ -93,10 +93,11 @@ def main(argv=None, default_config: str | None = None) -> dict:
             raise ConfigError(problem)
         train_files = list_shards(cfg.data.train_files)
         val = load_validation(cfg, train_files, dist.rank)  # before the loader's thread starts: bad paths fail fast
+        check_writable_dir("train.out_dir", cfg.train.out_dir)  # every rank writes its checkpoint part there
         if dist.rank == 0:  # what rank 0 alone opens
             if cfg.train.wandb:
                 require_wandb()
-            check_log_dir(cfg.train.log_dir)
+            check_writable_dir("train.log_dir", cfg.train.log_dir)
     except Exception as e:
         failure = e
     fail_together(failure, "its setup checks")  # every rank stops, not only the one that failed

@@ -50,7 +50,8 @@ def test_divergence_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp
     opts = build_optimizers(model.param_groups(), cfg.optim)
     ckpt = Checkpointer(tmp_path, every_steps=2, keep=5, rank=0, world_size=1)
     log = RunLog(tmp_path / "log.txt", enabled=False)
-    with pytest.raises(DivergenceError, match="at step 6"):
+    with pytest.raises(DivergenceError, match=r"at step 6 \(hint: lower optim.matrix_lr or optim.grad_clip and start "
+                                              r"again under a new train.run_id; a resume keeps this run's settings"):
         run_training(cfg, model, NaNAfter(model, 5), RandomLoader(), opts, None,
                      DistInfo(0, 0, 1, torch.device("cpu")), log, checkpointer=ckpt)
     # Step 5's NaN is caught when step 6 would be checkpointed: the step-4 checkpoint stays the newest.

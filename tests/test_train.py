@@ -462,6 +462,11 @@ def test_what_rank_0_alone_opens_is_checked_at_setup(demo_dir, tmp_path, monkeyp
     with pytest.raises(ConfigError, match=rf"train.log_dir={tmp_path}/a_file/logs: cannot make"):
         train.main([*base, f"train.log_dir={tmp_path}/a_file/logs"])
     assert not (tmp_path / "logs").exists()
+    # the checkpoint and artifact folder too: it was first written after training, which the traceback then lost
+    with pytest.raises(ConfigError, match=rf"train.out_dir={tmp_path}/a_file/runs: cannot make .*\(hint: another "
+                                          r"train.out_dir\)"):
+        train.main([*base, f"train.out_dir={tmp_path}/a_file/runs"])
+    assert not (tmp_path / "logs").exists()
 
 
 def test_an_error_mid_run_closes_the_loader_and_exits_cleanly(demo_dir, tmp_path):

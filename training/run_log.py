@@ -16,15 +16,17 @@ from training.config import ConfigError
 REPO = Path(__file__).resolve().parents[1]
 
 
-def check_log_dir(log_dir: str) -> None:
-    """The folder of the run logs exists (made if missing) and takes files: checked at setup, not at the first line."""
-    folder = REPO / log_dir
+def check_writable_dir(key: str, value: str) -> None:
+    """A folder the run writes into (train.log_dir, train.out_dir) exists (made if missing) and takes files: checked
+    at setup, not when the first file goes there (for train.out_dir that was after training, and the trained
+    weights were lost with the traceback)."""
+    folder = REPO / value
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"train.log_dir={log_dir}: cannot make {folder} ({e.strerror})") from None
+        raise ConfigError(f"{key}={value}: cannot make {folder} ({e.strerror}) (hint: another {key})") from None
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(f"train.log_dir={log_dir}: {folder} is not writable (hint: another train.log_dir)")
+        raise ConfigError(f"{key}={value}: {folder} is not writable (hint: another {key})")
 
 
 def require_wandb() -> Any:

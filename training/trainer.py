@@ -178,11 +178,16 @@ def global_loss(loss: torch.Tensor) -> torch.Tensor:
     return all_reduce_mean(loss.detach().float().clone())
 
 
+# A resume repeats the run's steps exactly and refuses changed optim settings (they define the run), so the way out
+# of a divergence is a new run (found by a review: the hint said to resume with a lower learning rate).
+DIVERGENCE_HINT = ("hint: lower optim.matrix_lr or optim.grad_clip and start again under a new train.run_id; a resume "
+                   "keeps this run's settings and would repeat the same steps")
+
+
 def check_finite(loss: torch.Tensor, step: int) -> float:
     value = loss.item()
     if not math.isfinite(value):
-        raise DivergenceError(f"loss is {value} at step {step} (hint: lower optim.matrix_lr or "
-                              "optim.grad_clip, and resume from the last checkpoint, which is untouched)")
+        raise DivergenceError(f"loss is {value} at step {step} ({DIVERGENCE_HINT})")
     return value
 
 
@@ -194,9 +199,8 @@ def check_state_finite(loss: torch.Tensor, model: torch.nn.Module, ema, step: in
                                              if ema is not None else [])
     if not torch.stack([torch.isfinite(t).all() for _, t in named]).all():  # one host sync
         bad = next(name for name, t in named if not torch.isfinite(t).all())
-        raise DivergenceError(f"{bad} holds NaN or Inf after step {step}, under a finite loss (hint: lower "
-                              "optim.matrix_lr or optim.grad_clip, and resume from the last checkpoint, which is "
-                              "untouched)")
+        raise DivergenceError(f"{bad} holds NaN or Inf after step {step}, under a finite loss ({DIVERGENCE_HINT}; "
+                              "the last checkpoint was not replaced)")
 
 
 def training_flops_per_token(model: torch.nn.Module, cfg: Config) -> float:
