@@ -211,15 +211,31 @@ class Payload:
 
 
 def test_a_checkpoint_cannot_execute_code_when_loaded(tmp_path):
-    import pickle
     import torch
-    from training.checkpoint import load_checkpoint
+    from training.checkpoint import CheckpointError, load_checkpoint
     ck = tmp_path / "step_00000002"
     ck.mkdir()
     torch.save({"world_size": 1, "model": Payload()}, ck / "rank0.pt")
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(CheckpointError, match=r"rank0.pt: unreadable \(UnpicklingError: Weights only load failed"):
         load_checkpoint(ck, None, [], None, None, rank=0, world_size=1)
     assert RAN == []
+
+
+def test_a_damaged_part_is_named_with_the_way_out(tmp_path):
+    """A truncated part was an OSError without a path, a traceback past train.py's one-line errors."""
+    import torch
+    from training.checkpoint import CheckpointError, load_checkpoint
+    ck = tmp_path / "step_00000002"
+    ck.mkdir()
+    torch.save({"world_size": 1, "model": {"w": torch.zeros(1000)}}, ck / "rank0.pt")
+    data = (ck / "rank0.pt").read_bytes()
+    (ck / "rank0.pt").write_bytes(data[:len(data) // 2])
+    with pytest.raises(CheckpointError, match=rf"{ck / 'rank0.pt'}: unreadable \(.*\) \(hint: train.resume=<an older "
+                                              r"step_NNNNNNNN folder>, or move this one away"):
+        load_checkpoint(ck, None, [], None, None, rank=0, world_size=1)
+    torch.save([1, 2], ck / "rank0.pt")
+    with pytest.raises(CheckpointError, match=r"rank0.pt: not a checkpoint part written by train.py"):
+        load_checkpoint(ck, None, [], None, None, rank=0, world_size=1)
 
 
 class Cursor:

@@ -232,6 +232,20 @@ def optimizer_settings(optimizers) -> dict[tuple[str, str], object]:
             if key not in ("params", "lr", "momentum", "fused", "foreach", "capturable", "differentiable")}
 
 
+def _read_part(file: Path) -> dict:
+    """One rank's part, or a CheckpointError naming the file (a truncated part was an OSError with no path)."""
+    try:
+        part = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch.load raises OSError, RuntimeError, pickle errors... for a damaged file
+        raise CheckpointError(f"{file}: unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}) "
+                              "(hint: train.resume=<an older step_NNNNNNNN folder>, or move this one away and "
+                              "resume=latest takes the one before)") from None
+    if not isinstance(part, dict) or "world_size" not in part:
+        raise CheckpointError(f"{file}: not a checkpoint part written by train.py (no world_size) (hint: "
+                              "train.resume=<an older step_NNNNNNNN folder>)")
+    return part
+
+
 def load_checkpoint(path: Path, model, optimizers, ema, loader, rank: int, world_size: int,
                     run_config: dict | None = None) -> Resumed:
     """Restore everything `Checkpointer.save` wrote; the world size must match (Muon's shards), and with run_config
@@ -240,11 +254,11 @@ def load_checkpoint(path: Path, model, optimizers, ema, loader, rank: int, world
         written = len(list(path.glob("rank*.pt")))
         raise CheckpointError(f"{path}: written by {written} rank(s), resuming on {world_size}: it has no rank{rank}.pt "
                          "(hint: resume with the same --nproc_per_node)")
-    own = torch.load(path / f"rank{rank}.pt", map_location="cpu", weights_only=True)
+    own = _read_part(path / f"rank{rank}.pt")
     if own["world_size"] != world_size:
         raise CheckpointError(f"{path}: written by {own['world_size']} rank(s), resuming on {world_size} "
                          "(hint: resume with the same --nproc_per_node)")
-    shared = own if rank == 0 else torch.load(path / "rank0.pt", map_location="cpu", weights_only=True)
+    shared = own if rank == 0 else _read_part(path / "rank0.pt")
     if run_config is not None and isinstance(shared.get("config"), dict):
         differences = trajectory_differences(shared["config"], run_config)
         if differences:
