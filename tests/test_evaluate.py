@@ -111,6 +111,26 @@ def test_byte_audit_on_real_text_with_the_official_tokenizer():
     assert audit_bytes(tokens, sp, broken)[0] != decoded
 
 
+def test_byte_audit_holds_wherever_the_tokens_are_cut():
+    """eval.max_tokens may cut inside a character spelled in byte-fallback pieces; decoded, the unfinished bytes were
+    one U+FFFD (3 bytes) against the 1-3 counted, and the audit refused some caps with a wrong hint."""
+    tok = SHARED / "tokenizers" / "fineweb_1024_bpe.model"
+    if not tok.exists():
+        pytest.skip(f"shared data absent ({SHARED})")
+    from data.tokenizer import build_byte_lut, load_sp
+    from training.evaluate import unfinished_character
+    sp = load_sp(str(tok))
+    lut = build_byte_lut(sp)
+    ids = [1] + sp.encode("the café is open: 日本語, naïve 🙂 ok") + [1] + sp.encode("à")
+    assert sum(sp.is_byte(i) for i in ids) >= 10  # the text really spells characters in byte pieces
+    cuts = {}
+    for end in range(2, len(ids) + 1):
+        counted, decoded = audit_bytes(np.array(ids[:end], dtype=np.uint16), sp, lut)
+        assert counted == decoded, end
+        cuts[end] = unfinished_character(ids[:end], sp)
+    assert set(cuts.values()) >= {0, 1, 2, 3}  # cuts after 1, 2 and 3 bytes of a 4-byte character were met
+
+
 def test_artifact_trained_with_fa3_loads_where_fa3_is_missing(tmp_path, monkeypatch):
     """The artifact's model config names the attention backend it trained with; scoring rebuilds the
     model with 'auto', so an FA3-trained artifact is scored by SDPA where FA3 is not installed."""

@@ -63,7 +63,9 @@ def target_bytes(tokens: torch.Tensor, lut: ByteLUT) -> torch.Tensor:
 def audit_bytes(tokens: np.ndarray, sp, lut: ByteLUT, bos_id: int = 1) -> tuple[int, int]:
     """(counted bytes, UTF-8 bytes of the decoded text) over the documents in `tokens`.
 
-    Both must match: a byte-accounting bug inflates or deflates BPB silently.
+    Both must match: a byte-accounting bug inflates or deflates BPB silently. When the tokens end inside a
+    character spelled in byte-fallback pieces (eval.max_tokens cut there), those pieces are left out of both sides:
+    decoded, they would be one U+FFFD of 3 bytes, not the 1-3 bytes counted (found by a review).
     """
     counted = int(target_bytes(torch.from_numpy(tokens.astype(np.int64)), lut).sum())
     decoded = 0
@@ -72,8 +74,24 @@ def audit_bytes(tokens: np.ndarray, sp, lut: ByteLUT, bos_id: int = 1) -> tuple[
         starts.insert(0, 0)
     for a, b in zip(starts[:-1], starts[1:]):
         ids = [int(t) for t in tokens[a:b] if t != bos_id]
+        if b == len(tokens) and (cut := unfinished_character(ids, sp)):
+            ids, counted = ids[:-cut], counted - cut  # a byte piece counts one byte
         decoded += len(sp.decode(ids).encode("utf-8"))
     return counted, decoded
+
+
+def unfinished_character(ids: list[int], sp) -> int:
+    """How many byte-fallback pieces at the end of `ids` begin a UTF-8 character they do not finish (0 if none)."""
+    tail: list[int] = []  # the trailing byte values, last first
+    for t in reversed(ids[-4:]):
+        if not sp.is_byte(t):
+            break
+        tail.append(int(sp.id_to_piece(t)[3:5], 16))  # "<0xC3>" -> 0xC3
+    for k, byte in enumerate(tail):
+        if byte & 0xC0 != 0x80:  # the last lead byte (or ASCII): how many bytes its character takes
+            length = 2 if byte >> 5 == 0b110 else 3 if byte >> 4 == 0b1110 else 4 if byte >> 3 == 0b11110 else 1
+            return k + 1 if k + 1 < length else 0
+    return 0
 
 
 class ByteAuditError(ValueError):
