@@ -46,6 +46,11 @@ def test_overrides_apply_after_the_file_with_types():
     ("eval.batch_seqs=0", "eval.batch_seqs=0 must be >= 1"),
     ("eval.max_tokens=1", "eval.max_tokens=1 scores no token: 0 (every token) or >= 2"),
     ("quant.cap_bytes=16000001", "quant.cap_bytes=16,000,001 is above the challenge's 16,000,000-byte cap"),
+    # the run id names files and a folder: a path put the log and artifact elsewhere (found by a review)
+    ("train.run_id=../../escaped", "train.run_id='../../escaped': expected a name, not a path"),
+    ("train.run_id=a/b", "train.run_id='a/b': expected a name, not a path"),
+    ("train.run_id=..", "train.run_id='..': expected a name, not a path"),
+    ("train.seed=18446744073709551616", "train.seed=18446744073709551616 must be < 2**63"),
 ])
 def test_bad_overrides_name_the_field(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -64,6 +69,11 @@ def test_bad_files_name_the_file(tmp_path):
         load_config(bad)
     bad.write_text('[data]\ntrain_files = ["a.bin", "b.bin"]\n')  # a list where one glob pattern goes
     with pytest.raises(ConfigError, match=r"bad.toml: data.train_files: expected a string, got \['a.bin'"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=rf"config file {tmp_path}: Is a directory \(hint: --config takes a .toml"):
+        load_config(tmp_path)  # an IsADirectoryError traceback before
+    bad.write_bytes(b"[model]\nn_layers = \xff\n")
+    with pytest.raises(ConfigError, match="bad.toml: invalid TOML"):
         load_config(bad)
 
 

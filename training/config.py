@@ -185,8 +185,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             data = tomllib.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found (hint: see configs/ for the shipped ones)") from None
-        except tomllib.TOMLDecodeError as e:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        except OSError as e:  # a folder, a file it cannot read
+            raise ConfigError(f"config file {path}: {e.strerror} (hint: --config takes a .toml file, see configs/)") \
+                from None
         for section, values in data.items():
             if section not in sections or not isinstance(values, dict):
                 raise ConfigError(f"{path}: unknown section [{section}]; expected one of {sorted(sections)}")
@@ -300,6 +303,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"quant.calib_reserve_s={cfg.quant.calib_reserve_s} must be < train.time_budget_s="
                           f"{t.time_budget_s} (hint: it is the part of the budget kept for GPTQ calibration; a few "
                           "seconds suffice)")
+    if t.run_id and (Path(t.run_id).name != t.run_id or t.run_id in (".", "..")):  # it names files and a folder
+        raise ConfigError(f"train.run_id={t.run_id!r}: expected a name, not a path (hint: letters, digits, '-', '_'; "
+                          "the run writes <log_dir>/<run_id>.txt, <out_dir>/<run_id>.mhcg and a checkpoint folder)")
+    if t.seed >= 2**63:  # torch.manual_seed takes a signed 64-bit value
+        raise ConfigError(f"train.seed={t.seed} must be < 2**63 (hint: any smaller non-negative integer)")
     if t.resume == "latest" and not t.run_id:
         raise ConfigError("train.resume=latest needs train.run_id=NAME (the default run id is new every run)")
     if t.checkpoint_keep < 1:
