@@ -60,12 +60,15 @@ def final_point(log: RunLogData) -> dict | None:
             "val_bpb": scored["val_bpb"]}
 
 
-def require_axis(source: str, records: list[dict], key: str, kind: str) -> None:
-    """Every record drawn has the x-axis field (train.py writes it on each): a KeyError otherwise named neither."""
-    for record in records:
-        if key not in record:
-            raise LogFormatError(f"{source}: the `{kind}` record of step {record['step']} has no {key!r} field, which "
-                                 "this axis needs (hint: another --x, or a log train.py wrote)")
+def with_axis(source: str, records: list[dict], key: str, kind: str, axis: str) -> list[dict]:
+    """The records that have the x-axis field (train.py writes it on each). The others are left out of this axis's
+    plots and named on stderr: a KeyError stopped every plot before."""
+    kept = [r for r in records if key in r]
+    if len(kept) < len(records):
+        missing = [r["step"] for r in records if key not in r]
+        print(f"plot: {source}: {len(missing)} `{kind}` record(s) without {key!r} (step {missing[0]}"
+              f"{', ...' if len(missing) > 1 else ''}) left out of the plots against {axis}", file=sys.stderr)
+    return kept
 
 
 def finite(value) -> bool:
@@ -77,8 +80,7 @@ def loss_figure(logs: list[RunLogData], labels: list[str], axis: str) -> Figure:
     key, xlabel = AXES[axis]
     fig, ax = plt.subplots(figsize=(8, 5))
     for log, label in zip(logs, labels):
-        steps, scale = log.require_steps(), axis_scale(log, axis)
-        require_axis(log.source, steps, key, "step")
+        steps, scale = with_axis(log.source, log.require_steps(), key, "step", axis), axis_scale(log, axis)
         points = [(s[key] * scale, s["loss"]) for s in steps if finite(s["loss"])]
         if not points:
             print(f"plot: {log.source}: no finite training loss to draw", file=sys.stderr)
@@ -99,8 +101,8 @@ def bpb_figure(logs: list[RunLogData], labels: list[str], axis: str) -> Figure |
     drawn = False
     for log, label in zip(logs, labels):
         scale = axis_scale(log, axis)
-        require_axis(log.source, log.evals, key, "eval")
-        curve = [(e[key] * scale, e["val_bpb"]) for e in log.evals if finite(e["val_bpb"])]
+        curve = [(e[key] * scale, e["val_bpb"]) for e in with_axis(log.source, log.evals, key, "eval", axis)
+                 if finite(e["val_bpb"])]
         final = final_point(log)
         color = None
         if curve:

@@ -99,8 +99,8 @@ def _decode(payload: str, kind: str, where: str) -> dict:
     return value
 
 
-# Fields every record of a kind carries in train.py's logs and the tools read ("step" is checked where records are
-# ordered; plot checks the training time it draws against).
+# Fields every record of a kind carries in train.py's logs and the tools read, periodic and stage evals alike ("step"
+# is checked where records are ordered; plot leaves out of a time plot the records without the training time).
 REQUIRED_FIELDS = {"step": ("loss",), "eval": ("val_bpb",)}
 
 
@@ -125,8 +125,7 @@ def _apply_line(log: RunLogData, line: str, where: str) -> None:
     if kind not in JSON_KINDS or not payload.startswith("{"):
         return  # free text for people (phase timings, quantization report, ...)
     record = _decode(payload, kind, where)
-    needs = REQUIRED_FIELDS.get("stage eval" if kind == "eval" and "stage" in record else kind, ())
-    if missing := [key for key in needs if key not in record]:  # plot and ablate read them; say so here, not KeyError
+    if missing := [key for key in REQUIRED_FIELDS.get(kind, ()) if key not in record]:  # plot and ablate read them; say so here, not KeyError
         raise LogFormatError(f"{where}: `{kind}` record has no {', '.join(repr(k) for k in missing)} field: {record} "
                              "(hint: a train.py log line cut or edited by hand?)")
     if kind == "step":

@@ -97,7 +97,7 @@ def test_bad_json_names_file_and_line():
         parse_lines(['step {"step": 1, "loss": 5.0}', 'step {"step": 2, "loss"'], "broken.txt")
 
 
-def test_a_record_without_a_field_the_plots_read_is_named(tmp_path):
+def test_a_record_without_a_field_the_plots_read_is_named(tmp_path, capsys):
     """A step line without its loss, an eval without its val_bpb, or a record without the training time the time
     axis needs ended in a bare KeyError that named neither file nor line (found by a review)."""
     with pytest.raises(LogFormatError, match=r"cut.txt:2: `step` record has no 'loss' field"):
@@ -105,10 +105,13 @@ def test_a_record_without_a_field_the_plots_read_is_named(tmp_path):
     with pytest.raises(LogFormatError, match=r"cut.txt:1: `eval` record has no 'val_bpb' field"):
         parse_lines(['eval {"step": 1, "val_loss": 2.0}'], "cut.txt")
     log = tmp_path / "untimed.txt"
-    log.write_text('step {"step": 1, "loss": 5.0, "train_time_s": 0.5}\nstep {"step": 2, "loss": 4.0}\n')
-    with pytest.raises(SystemExit, match=r"plot: .*untimed.txt: the `step` record of step 2 has no 'train_time_s' "
-                                         r"field, which this axis needs"):
-        plot.main([str(log), "--out", str(tmp_path / "plots")])
+    log.write_text('step {"step": 1, "loss": 5.0, "train_time_s": 0.5}\nstep {"step": 2, "loss": 4.0}\n'
+                   'eval {"step": 2, "val_bpb": 1.9}\n')
+    written = plot.main([str(log), "--out", str(tmp_path / "plots")])  # a KeyError before
+    assert sorted(p.name for p in written) == ["bpb_vs_step.png", "loss_vs_step.png", "loss_vs_time.png"]
+    err = capsys.readouterr().err
+    assert "untimed.txt: 1 `step` record(s) without 'train_time_s' (step 2) left out of the plots against time" in err
+    assert "untimed.txt: 1 `eval` record(s) without 'train_time_s' (step 2) left out of the plots against time" in err
 
 
 def test_figures_overlay_runs_with_run_id_legend(tmp_path, capsys):
