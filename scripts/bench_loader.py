@@ -9,8 +9,8 @@
    matmul loop that reads the batch, calibrated to --step-ms and synchronized at the end of each step
    (as a loss.item() would). `wait` is the time spent inside next_batch(); `overhead` compares the loop's
    wall time with as many simulated steps on a fixed, already-resident batch, in 5 alternating rounds (the
-   median and the range: a difference of two timings is as noisy as the steps it times); the batches the
-   loader queued during a resident block are taken untimed first.
+   median and the range: a difference of two timings is as noisy as the steps it times); each loader block
+   first runs untimed steps on the batches the loader queued during the resident block.
 Without --files it writes 4 temporary shards of --synthetic-tokens random tokens (default 20M each).
 """
 from __future__ import annotations
@@ -95,9 +95,9 @@ PREFETCH = 4  # batches the loader queues ahead (the config's data.prefetch defa
 def training_loop(loader, steps: int, step: SimulatedStep, device: torch.device, prefetched: int = PREFETCH) -> dict:
     """`steps` loader steps in ROUNDS blocks, each after a block as long on a fixed, already-resident batch; the
     overhead is each round's (loader - resident) / loader, reported as the median and the range over rounds.
-    The loader's thread fills its queue during a resident block: those `prefetched` batches are taken untimed
-    before each loader block, which would otherwise start with them for free (a loader slower than the step
-    then looked almost free, found by a review)."""
+    The loader's thread fills its queue during a resident block: each loader block first runs `prefetched` steps
+    untimed, which use up those batches at the step's pace (they came free, and a loader slower than the step
+    looked almost free, found by a review); taking them without steps instead stalled a fast loader once a round."""
     x, _ = loader.next_batch()
     step(x)
     waits, overheads, total = [], [], 0.0
@@ -108,7 +108,8 @@ def training_loop(loader, steps: int, step: SimulatedStep, device: torch.device,
             step(x)
         resident = time.perf_counter() - t0
         for _ in range(prefetched):
-            loader.next_batch()
+            x, _ = loader.next_batch()
+            step(x)
         t0 = time.perf_counter()
         for _ in range(block):
             t = time.perf_counter()
