@@ -207,7 +207,7 @@ def load_manifest(repo_id: str, out_dir: Path, retries: int, verified: Verified 
     if hub is None:
         raise ValueError(f"{repo_id} has no {MANIFEST}")
     if check_file(local, hub, verified) is not None:
-        staging = out_dir / "datasets" / ".staging" / ".manifest"
+        staging = out_dir / "datasets" / ".staging" / f".manifest-{os.getpid()}"  # requests fetch it side by side
         try:
             fetch(repo_id, RemoteFile(MANIFEST, local, "manifest"), hub, staging, retries, verified)
         finally:
@@ -227,7 +227,8 @@ def download(variant: str, train_shards: int, out_dir: Path, repo_id: str = REPO
     plan = plan_downloads(manifest, variant, train_shards, out_dir)
     hub = hub_files(repo_id, [f.remote for f in plan])
     # One staging folder per variant: a request clears its own when done, not the partial files of a download of
-    # another variant into the same --out (two of one variant are refused below: they would share its shard folder).
+    # another variant into the same --out. Two requests of one variant would share it: one with anything to fetch
+    # is refused below while another is fetching into the variant's shard folders.
     staging = out_dir / "datasets" / ".staging" / variant
     missing = []
     for i, item in enumerate(plan, 1):
@@ -242,12 +243,15 @@ def download(variant: str, train_shards: int, out_dir: Path, repo_id: str = REPO
     command = shlex.join(["python", "-m", "data.download", "--variant", variant, "--train-shards", str(train_shards),
                           "--out", str(out_dir), "--repo-id", repo_id])
     folders = {item.local.parent for _, item in missing if item.kind in ("train", "val")}
-    for folder in sorted(folders):  # its marker and the staging folder would be taken over (found by a review)
+    shard_folders = {item.local.parent for item in plan if item.kind in ("train", "val")}
+    # A live download's marker and staging folder would be taken over (found by reviews), also by a request that
+    # fetches only a tokenizer file: it clears the variant's staging folder when done.
+    for folder in sorted(shard_folders if missing else ()):
         writer = live_marker_writer(folder)
         if writer:
             raise RuntimeError(f"{folder}: another data.download ({writer}) is fetching into this folder (hint: let it "
                                f"finish, then run this command again; if it is gone, remove {DOWNLOAD_MARKER} there)")
-    for folder in sorted({item.local.parent for item in plan if item.kind in ("train", "val")} - folders):
+    for folder in sorted(shard_folders - folders):
         clear_stale_marker(folder)  # all this request needs is there: a failed earlier request's marker goes
     for folder in sorted(folders):
         expected = sorted(item.local.name for item in plan if item.local.parent == folder)

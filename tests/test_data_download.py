@@ -226,8 +226,12 @@ def test_a_download_clears_its_own_staging_folder_not_another_variants(hub, tmp_
     other = out / "datasets" / ".staging" / "sp8192" / "datasets" / "datasets" / "fineweb10B_sp8192"
     other.mkdir(parents=True)
     (other / "fineweb_train_000003.bin.incomplete").write_bytes(b"partial")
-    dl.download("sp1024", 1, out, retries=1)
+    manifest = out / "datasets" / ".staging" / ".manifest-1" / "datasets"  # another request's manifest, half there
+    manifest.mkdir(parents=True)
+    (manifest / "manifest.json.incomplete").write_bytes(b"{")
+    dl.download("sp1024", 1, out, retries=1)  # fetches the manifest, the shards and the tokenizer
     assert (other / "fineweb_train_000003.bin.incomplete").read_bytes() == b"partial"
+    assert (manifest / "manifest.json.incomplete").read_bytes() == b"{"
     assert not (out / "datasets" / ".staging" / "sp1024").exists()
     assert hub.calls and all(c.startswith("datasets/") for c in hub.calls)
 
@@ -272,6 +276,11 @@ def test_a_marker_of_a_download_still_running_or_of_another_machine_stays(downlo
     with pytest.raises(RuntimeError, match=rf"another data.download \(data.download pid {fetching.pid}\) is "
                                            r"fetching into this folder \(hint: let it finish"):
         dl.download("sp1024", 2, out, retries=1)
+    # nor does one that fetches only a tokenizer file (it clears the variant's staging folder when done)
+    dl.download("sp1024", 1, out, retries=1)
+    next((out / "tokenizers").glob("*.vocab")).unlink()
+    with pytest.raises(RuntimeError, match=rf"another data.download \(data.download pid {fetching.pid}\)"):
+        dl.download("sp1024", 1, out, retries=1)
     fetching.kill()  # the other download stops: its marker is a leftover now
     fetching.wait()
     for pid in (0, -1, 2**40):  # a damaged marker's number is no live process
