@@ -12,7 +12,8 @@ Stricter than the reference: coefficients must have their exact shapes (no broad
 dtype, sinkhorn_iters >= 1; and there is no double backward (a second-order gradient raises).
 
 Where the kernels cannot run (CPU tensors without TRITON_INTERPRET=1, bf16 CPU tensors, which the
-interpreter computes wrongly, or no triton installed) the calls fall back to the PyTorch reference,
+interpreter computes wrongly, fp64 ones, which it computes at fp32's precision, or no triton installed) the calls
+fall back to the PyTorch reference,
 so a model with `mhc_kernels = true` runs anywhere.
 """
 from __future__ import annotations
@@ -37,11 +38,11 @@ Tensor = torch.Tensor
 
 # The interpreter has no bfloat16: its bf16 tl.dot gave projections ~1e11 off and its stores truncate instead of
 # rounding (found by a review), so bf16 CPU tensors take the reference.
-_INTERPRETER_DTYPES = (torch.float32, torch.float16, torch.float64)
+_INTERPRETER_DTYPES = (torch.float32, torch.float16)  # fp64 too would run, at fp32's precision: the reference
 
 
 def kernels_run_on(x: Tensor) -> bool:
-    """True where the Triton kernels execute: CUDA tensors, or fp16/fp32/fp64 CPU tensors under the
+    """True where the Triton kernels execute: CUDA tensors, or fp16/fp32 CPU tensors under the
     interpreter in eager mode (torch.compile cannot trace interpreted kernels, so compiled CPU code
     takes the reference)."""
     if not HAVE_TRITON:

@@ -130,12 +130,15 @@ def main(argv=None) -> list[dict]:
         p.error(f"need --steps >= 1, --warmup >= 0 and --profile >= 0, got {a.steps}, {a.warmup} and {a.profile}")
     try:  # every variant's config before the first one compiles (an override may not suit them all)
         configs = [load_config(a.config, variant_overrides(name, a.overrides)) for name in names]
-        dist = init_distributed(configs[0].train.device)  # train.device=cuda without a GPU is a ConfigError
     except ConfigError as e:
         p.error(str(e))
     if a.warmup == 0 and any(cfg.train.compile for cfg in configs):  # compilation would land in the timed steps
         p.error("--warmup 0 with train.compile=true times torch.compile's first step as a training step "
                 "(hint: --warmup 1 or more, or train.compile=false)")
+    try:  # before any process group exists: every refusal above leaves none open under torchrun
+        dist = init_distributed(configs[0].train.device)  # train.device=cuda without a GPU is a ConfigError
+    except ConfigError as e:
+        p.error(str(e))
     if dist.device.type != "cuda":  # the Triton variants would time the PyTorch fallback under their names
         print0("bench_step: no GPU: the *-kernels variants run the PyTorch reference here, and the default config is "
                "the record-size model (hint: --config configs/demo.toml for a CPU check)", file=sys.stderr)

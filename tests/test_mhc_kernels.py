@@ -319,6 +319,7 @@ def test_bf16_cpu_streams_take_the_reference_not_the_interpreter():
     inp = make_inputs(4, 48, (5,), dtype=torch.bfloat16)
     assert not K.kernels_run_on(inp["x"])
     assert K.kernels_run_on(inp["x"].float()) and K.kernels_run_on(inp["x"].half())
+    assert not K.kernels_run_on(inp["x"].double())  # it would run, at fp32's precision
     for name in ("pre", "post", "post_pre"):
         for mine, ref in zip(call(K, name, inp), call(R, name, inp)):
             assert torch.equal(mine, ref), name
