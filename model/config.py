@@ -5,6 +5,8 @@ SmearGate, BigramHash, value embeddings) all default to OFF, which is the plain 
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 # BigramHash keys are prev * (vocab_size + 1) + cur, hashed in int64 without overflow while keys stay
@@ -82,13 +84,19 @@ class ModelConfig:
     def validate(self) -> None:
         """Raise ValueError naming the field for options the model cannot build."""
         for name, low in (("vocab_size", 2), ("n_layers", 1), ("d_model", 1), ("n_heads", 1), ("n_kv_heads", 1),
-                          ("sinkhorn_iters", 1), ("logit_softcap", 0), ("embed_init_std", 0)):
+                          ("sinkhorn_iters", 1), ("logit_softcap", 0)):
             if not getattr(self, name) >= low:  # NaN included
                 raise ValueError(f"model.{name}={getattr(self, name)} must be >= {low} (hint: the default is "
                                  f"{getattr(ModelConfig, name)})")
-        for name in ("mlp_mult", "rope_base"):
+        # embed_init_std=0 gave a model with every gradient exactly 0 (the tied head reads the zero table through
+        # output projections that also start at zero), so it never trained (found by a review)
+        for name in ("mlp_mult", "rope_base", "embed_init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be > 0 (hint: the default is "
+                                 f"{getattr(ModelConfig, name)})")
+        for name in ("mhc_alpha_init", "qk_gain_init"):  # any finite value builds; NaN and inf did too
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"model.{name}={getattr(self, name)} must be a finite number (hint: the default is "
                                  f"{getattr(ModelConfig, name)})")
         if self.mlp_hidden < 1:
             raise ValueError(f"model.mlp_mult={self.mlp_mult} gives an MLP of {self.mlp_hidden} channels at "

@@ -184,7 +184,8 @@ class GPT(nn.Module):
         # An elementwise product and a sum over the stream axis, not an einsum: einsum lowers to a matrix
         # product with K = n (forward) and K = 1 (backward) over all B*T*C elements, which cuBLAS ran
         # as GEMV kernels taking 3.1 ms (n=4) and 6.0 ms (n=2) of an H100 step; this inductor fuses.
-        x = (streams.float() * self.readout.float()[:, None]).sum(dim=-2)
+        acc = torch.promote_types(streams.dtype, torch.float32)  # fp32 at least; a float64 model stays float64
+        x = (streams.to(acc) * self.readout.to(acc)[:, None]).sum(dim=-2)
         if self.unet is not None and self.unet.is_encoder(self.n_mhc_blocks - 1):
             saved.append(x)  # the last mHC block was an encoder block: its state is the readout
         if self.n_mhc_blocks < self.cfg.n_layers:

@@ -55,7 +55,8 @@ class RotaryTables(nn.Module):
     def forward(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         if seq_len > self.cos.shape[0]:
             return rotary_cos_sin(seq_len, self.dim, self.base, self.cos.device)
-        # .float(): a no-op for the fp32 buffers; keeps the tables fp32 if the model is ever cast to bf16
+        # .float(): a no-op for the fp32 buffers. A model cast to bf16 casts these too, and .float() then gives
+        # fp32 tables of bf16 precision (nothing in the repository casts the model)
         return self.cos[:seq_len].float(), self.sin[:seq_len].float()
 
 

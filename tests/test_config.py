@@ -127,7 +127,8 @@ def test_fractions_outside_their_range_are_refused(key, one_allowed):
     ("model.mlp_mult=0", "model.mlp_mult=0.0 must be > 0"),
     ("model.rope_base=-1", "model.rope_base=-1.0 must be > 0"),
     ("model.logit_softcap=-1", "model.logit_softcap=-1.0 must be >= 0"),
-    ("model.embed_init_std=-0.1", "model.embed_init_std=-0.1 must be >= 0"),
+    ("model.embed_init_std=-0.1", "model.embed_init_std=-0.1 must be > 0"),
+    ("model.embed_init_std=0", "model.embed_init_std=0.0 must be > 0"),
 ])
 def test_model_sizes_out_of_range_are_refused(override, message):
     """model.n_layers=0 used to fail with an IndexError after training had started; n_heads=0 divided by zero."""

@@ -1,4 +1,6 @@
 """Model properties: causality, doubly stochastic H_res, plain-residual start, n_streams=1 path."""
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -395,3 +397,22 @@ def test_model_mlp_kernel_routes_every_mlp_through_the_fused_op(on, monkeypatch)
     for m in mlps:
         m.use_kernel = not on
     assert torch.allclose(model.logits(idx), logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("embed_init_std", 0.0, "model.embed_init_std=0.0 must be > 0"),  # every gradient was 0: it never trained
+    ("mhc_alpha_init", float("nan"), "model.mhc_alpha_init=nan must be a finite number"),
+    ("qk_gain_init", float("inf"), "model.qk_gain_init=inf must be a finite number"),
+])
+def test_initial_values_that_cannot_train_are_refused(field, value, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        GPT(tiny(**{field: value}))
+
+
+def test_a_float64_model_with_mhc_on_some_blocks_runs():
+    """The readout summed the streams in fp32 whatever the model's dtype: a float64 model with plain blocks after
+    the mHC ones failed in their first product (expected m1 and m2 to have the same dtype)."""
+    torch.manual_seed(0)
+    model = GPT(tiny(n_streams=2, mhc_blocks=1)).double()
+    idx = torch.randint(0, 64, (2, 8))
+    assert torch.isfinite(model(idx)).all()
