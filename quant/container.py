@@ -47,6 +47,7 @@ _PREFIX = struct.Struct("<8sIIQ")
 _HASH_LEN = 32
 MAX_HEADER_BYTES = 16 << 20  # a decompressed header larger than this is refused (a forged file cannot balloon)
 MAX_RAW_BYTES = 256 << 20    # nor can the tensors: 16 MB of artifact holds about 25 MB of quantized weights
+MAX_DIMS = 8                 # dimensions of a stored tensor (the model's have at most 2)
 
 
 class ArtifactError(ValueError):
@@ -290,6 +291,11 @@ def _check_header(path: str, header, payload_len: int) -> None:
         if not all(type(entry.get(k)) is int and entry[k] >= 0 for k in ints) or not isinstance(shape, list) \
                 or not all(type(s) is int and s >= 0 for s in shape):
             bad(f"tensor {entry['name']!r} needs non-negative integer {ints} and shape")
+        # Bounded before any arithmetic on them: the product of thousands of 4,000-digit dimensions took minutes
+        # (found by a review), and no stored tensor has more than MAX_RAW_BYTES of anything.
+        if len(shape) > MAX_DIMS or any(v > MAX_RAW_BYTES for v in [*shape, *(entry[k] for k in ints)]):
+            bad(f"tensor {entry['name']!r} declares {len(shape)} dimensions or a size past {MAX_RAW_BYTES:,} "
+                f"(at most {MAX_DIMS} dimensions, each size at most that)")
         if entry["offset"] != offset:
             bad(f"tensor {entry['name']!r} starts at {entry['offset']}, expected {offset} (chunks are contiguous)")
         offset += entry["nbytes"]

@@ -113,6 +113,12 @@ def small_tensor(tensor: torch.Tensor) -> np.ndarray:
     return t.numpy().copy()
 
 
+def _table(name: str, weight: torch.Tensor, bits: int):
+    """An embedding table, round-to-nearest per row; an error names the table."""
+    with _naming(name):
+        return rtn_quantize(weight, bits)[0]
+
+
 @contextlib.contextmanager
 def _naming(name: str):
     """Prefix a quantizer's error (a NaN Hessian, a shape, a Hessian GPTQ cannot factorize) with the matrix it was
@@ -209,7 +215,7 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     candidates, details = quantize_matrices(plan, hessians, method, min_bits, fisher)
     state = model.state_dict()
     fixed, observed_log = quantize_observed(plan, hessians, method, observed_bits)
-    fixed.update({name: rtn_quantize(state[name], table_bits)[0] for name in plan.tables})
+    fixed.update({name: _table(name, state[name], table_bits) for name in plan.tables})
     fixed.update({name: small_tensor(state[name]) for name in plan.others})
     timings["quant_s"] = time.perf_counter() - t
     del hessians

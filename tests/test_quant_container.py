@@ -179,7 +179,8 @@ def artifact_of(tensors: list[tuple[dict, bytes]], codec: str = "brotli", header
 def test_a_forged_file_cannot_balloon_or_slip_through(tmp_path):
     """Found by a review, each with a valid sha256: a small chunk that decompresses to 64 MiB for a tensor declared
     at 128 bytes (decompressed whole before the size was compared); tensors declared at gigabytes; a shape whose
-    element count wraps around in int64 (np.prod gave 0); a header nested 200,000 deep (RecursionError traceback);
+    element count wraps around in int64 (np.prod gave 0), or whose product of huge dimensions took minutes; a header
+    nested 200,000 deep (RecursionError traceback);
     bits 6.0 where an integer belongs (accepted, then failed as "does not decompress")."""
     import brotli
     gain = {"name": "gain", "kind": "array", "shape": [32], "dtype": "float32", "raw_nbytes": 128}
@@ -195,8 +196,16 @@ def test_a_forged_file_cannot_balloon_or_slip_through(tmp_path):
         "stray": (artifact_of([(gain, lzma.compress(b"\1" * 128) + b"\0")], codec="lzma"),
                   "decompressed to 128 bytes, expected 128 \\(cut short or followed by stray bytes\\)"),
         "huge": (artifact_of([({**gain, "shape": [20000, 20000], "raw_nbytes": 1_600_000_000}, b"")]),
-                 "its tensors declare 1,600,000,000 bytes, more than the 268,435,456"),
-        "wrap": (artifact_of([({**gain, "shape": [2 ** 62, 4], "raw_nbytes": 0}, b"")]), "inconsistent"),
+                 "tensor 'gain' declares 2 dimensions or a size past 268,435,456"),
+        "huge_together": (artifact_of([({**gain, "name": f"g{i}", "shape": [10000, 5000], "raw_nbytes": 200_000_000},
+                                        b"") for i in range(2)]),
+                          "its tensors declare 400,000,000 bytes, more than the 268,435,456"),
+        "wrap": (artifact_of([({**gain, "shape": [2 ** 62, 4], "raw_nbytes": 0}, b"")]),
+                 "tensor 'gain' declares 2 dimensions or a size past 268,435,456"),
+        # thousands of 1,000-digit dimensions: their product took minutes before the sizes were compared
+        "slow_product": (artifact_of([({**gain, "shape": [10 ** 1000] * 800, "raw_nbytes": 0}, b"")]),
+                         "tensor 'gain' declares 800 dimensions or a size past"),
+        "far_offset": (artifact_of([({**gain, "raw_nbytes": 10 ** 1000}, b"")]), "a size past 268,435,456"),
         "nested": (artifact_of([], header_text=b"[" * 200_000), "header is not valid JSON"),
         "float_bits": (artifact_of([(quant, brotli.compress(b"\0" * 40))]), "tensor 'w': raw_nbytes or its kind/bits"),
     }
