@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.mhc_reference import SINKHORN_FLOOR as _FLOOR
 from kernels.mhc_reference import mhc_num_coefficients as num_coefficients  # noqa: F401 (the launchers' name)
 from model.config import KERNEL_STREAMS, KERNEL_WIDTH_MULTIPLE  # one source: configs are checked against them
 
@@ -23,6 +24,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def sigmoid(z):
     return 1.0 / (1.0 + tl.exp(-z))
 
+
+SINKHORN_FLOOR = tl.constexpr(_FLOOR)  # read inside the kernels
 
 # Sinkhorn works on tuples of n*n [BT] vectors (entry (i, j) at index i*n + j): every thread holds
 # whole matrices of its tokens, so the row and column sums are register adds, not cross-thread
@@ -86,14 +89,24 @@ def sinkhorn_round(m, n: tl.constexpr):
 
 
 @triton.jit
-def sinkhorn_start(logits, n: tl.constexpr):
-    """exp(logits - max): the max cancels in the normalization and keeps exp() finite."""
+def sinkhorn_shifted(logits, n: tl.constexpr):
+    """logits - max, floored at SINKHORN_FLOOR (kernels/mhc_reference.py): the max cancels in the
+    normalization and keeps exp() finite, the floor keeps a row or column from underflowing to zeros."""
     mx = logits[0]
     for ij in tl.static_range(1, n * n):
         mx = tl.maximum(mx, logits[ij])
     out = ()
     for ij in tl.static_range(n * n):
-        out = out + (tl.exp(logits[ij] - mx),)
+        out = out + (tl.maximum(logits[ij] - mx, SINKHORN_FLOOR),)
+    return out
+
+
+@triton.jit
+def sinkhorn_start(logits, n: tl.constexpr):
+    shifted = sinkhorn_shifted(logits, n)
+    out = ()
+    for ij in tl.static_range(n * n):
+        out = out + (tl.exp(shifted[ij]),)
     return out
 
 
@@ -141,7 +154,7 @@ def sinkhorn_bwd(logits, grad, ITERS: tl.constexpr, SEG: tl.constexpr, n: tl.con
     Nothing is stored from the forward. The iterates are recomputed from exp(logits): checkpoints
     every SEG rounds (in registers), and each round's input rebuilt from the checkpoint before it,
     ~ITERS*(SEG+1)/2 extra rounds instead of ITERS^2/2. The max shift needs no gradient: the output
-    is invariant to scaling exp(logits), so sum(dm0 * m0) = 0.
+    is invariant to scaling exp(logits), so sum(dm0 * m0) = 0 -- unless an entry sits at the floor (below).
     """
     m0 = sinkhorn_start(logits, n)
     NSEG: tl.constexpr = (ITERS + SEG - 1) // SEG
@@ -160,9 +173,22 @@ def sinkhorn_bwd(logits, grad, ITERS: tl.constexpr, SEG: tl.constexpr, n: tl.con
             for _step in range(k):  # (distinct names: Triton types loop variables per name)
                 m = sinkhorn_round(m, n)
             g = _sinkhorn_round_bwd(m, g, n)
+    # d logits = g * m0 where an entry is above the floor (one held there takes none, as clamp_min's), and the
+    # max's share: the shift moves every entry above the floor, so the max (split evenly among ties, as amax's
+    # gradient) takes minus their sum. Without a floored entry that sum is zero (the output ignores the scale of
+    # m0); with one it is not (found comparing the reference's autograd at res logits spread by ~100).
+    shifted = sinkhorn_shifted(logits, n)
+    free = ()
+    shift_grad = tl.zeros_like(m0[0])
+    ties = tl.zeros_like(m0[0])
+    for ij in tl.static_range(n * n):
+        d = tl.where(shifted[ij] > SINKHORN_FLOOR, g[ij] * m0[ij], 0.0)
+        free = free + (d,)
+        shift_grad += d
+        ties += tl.where(shifted[ij] == 0.0, 1.0, 0.0)
     out = ()
     for ij in tl.static_range(n * n):
-        out = out + (g[ij] * m0[ij],)
+        out = out + (free[ij] - tl.where(shifted[ij] == 0.0, shift_grad / ties, 0.0),)
     return out
 
 

@@ -31,13 +31,19 @@ def mhc_num_coefficients(n: int) -> int:
     return n * n + 2 * n
 
 
+# Entries more than this far below their matrix's max start at exp(-80) ~ 1.8e-35 instead of underflowing to 0:
+# a row or column of zeros was 0/0 in the first round, and the NaN reached every later token through attention
+# (found by a review, at res logits spread by ~90). Above it nothing changes.
+SINKHORN_FLOOR = -80.0
+
+
 def sinkhorn_knopp(logits: torch.Tensor, iters: int) -> torch.Tensor:
     """exp(logits) made doubly stochastic by `iters` rounds of row then column normalization.
 
     logits: [..., n, n] (fp32). The per-matrix max is subtracted first: it cancels in the
-    normalization and keeps exp() finite.
+    normalization and keeps exp() finite; what lies SINKHORN_FLOOR below it starts at exp(SINKHORN_FLOOR).
     """
-    m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+    m = torch.exp((logits - logits.amax(dim=(-2, -1), keepdim=True)).clamp_min(SINKHORN_FLOOR))
     for _ in range(iters):
         m = m / m.sum(dim=-1, keepdim=True)
         m = m / m.sum(dim=-2, keepdim=True)

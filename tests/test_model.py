@@ -105,6 +105,14 @@ def test_reference_apply_is_fp32_under_autocast():
 def test_sinkhorn_of_large_logits_stays_finite():
     m = sinkhorn_knopp(torch.tensor([[[200.0, 0.0], [0.0, 200.0]]]), 20)
     assert torch.isfinite(m).all() and torch.allclose(m, torch.eye(2).unsqueeze(0), atol=1e-6)
+    # a row (or column) entirely ~90 below the max underflowed to zeros: 0/0 in the first round (found by a review)
+    m = sinkhorn_knopp(torch.tensor([[[120.0, 0.0], [0.0, -10.0]]]), 20)
+    assert torch.isfinite(m).all() and torch.allclose(m.sum(-2), torch.ones(1, 2))  # 20 rounds do not reach I
+    logits = (torch.randn(2000, 4, 4, generator=torch.Generator().manual_seed(0)) * 40).requires_grad_()
+    m = sinkhorn_knopp(logits, 20)
+    m.square().sum().backward()
+    assert torch.isfinite(m).all() and torch.isfinite(logits.grad).all()
+    assert torch.allclose(m.sum(-2), torch.ones(2000, 4), atol=1e-5)  # the columns, normalized last
 
 
 def test_init_bias_starts_as_plain_residual_coefficients():
