@@ -89,24 +89,25 @@ def sinkhorn_round(m, n: tl.constexpr):
 
 
 @triton.jit
-def sinkhorn_shifted(logits, n: tl.constexpr):
-    """logits - max, floored at SINKHORN_FLOOR (kernels/mhc_reference.py): the max cancels in the
-    normalization and keeps exp() finite, the floor keeps a row or column from underflowing to zeros."""
+def sinkhorn_offsets(logits, n: tl.constexpr):
+    """logits - max: the max cancels in the normalization and keeps exp() finite."""
     mx = logits[0]
     for ij in tl.static_range(1, n * n):
         mx = tl.maximum(mx, logits[ij])
     out = ()
     for ij in tl.static_range(n * n):
-        out = out + (tl.maximum(logits[ij] - mx, SINKHORN_FLOOR),)
+        out = out + (logits[ij] - mx,)
     return out
 
 
 @triton.jit
 def sinkhorn_start(logits, n: tl.constexpr):
-    shifted = sinkhorn_shifted(logits, n)
+    """exp(logits - max), the exponent floored at SINKHORN_FLOOR (kernels/mhc_reference.py) so that no row or
+    column underflows to zeros. A where, not tl.maximum: maximum drops a NaN, which must reach the output."""
+    offsets = sinkhorn_offsets(logits, n)
     out = ()
     for ij in tl.static_range(n * n):
-        out = out + (tl.exp(shifted[ij]),)
+        out = out + (tl.exp(tl.where(offsets[ij] < SINKHORN_FLOOR, SINKHORN_FLOOR, offsets[ij])),)
     return out
 
 
@@ -151,7 +152,7 @@ def _sinkhorn_round_bwd(m, g, n: tl.constexpr):
 def sinkhorn_bwd(logits, grad, ITERS: tl.constexpr, SEG: tl.constexpr, n: tl.constexpr):
     """Gradient w.r.t. logits of sinkhorn_fwd(logits), given the gradient of its output.
 
-    Nothing is stored from the forward. The iterates are recomputed from exp(logits): checkpoints
+    Nothing is stored from the forward. The iterates are recomputed from sinkhorn_start(logits): checkpoints
     every SEG rounds (in registers), and each round's input rebuilt from the checkpoint before it,
     ~ITERS*(SEG+1)/2 extra rounds instead of ITERS^2/2. The max shift needs no gradient: the output
     is invariant to scaling exp(logits), so sum(dm0 * m0) = 0 -- unless an entry sits at the floor (below).
@@ -177,18 +178,19 @@ def sinkhorn_bwd(logits, grad, ITERS: tl.constexpr, SEG: tl.constexpr, n: tl.con
     # max's share: the shift moves every entry above the floor, so the max (split evenly among ties, as amax's
     # gradient) takes minus their sum. Without a floored entry that sum is zero (the output ignores the scale of
     # m0); with one it is not (found comparing the reference's autograd at res logits spread by ~100).
-    shifted = sinkhorn_shifted(logits, n)
+    # An entry exactly at the floor keeps its gradient, as clamp_min's does (the offsets, not the floored values).
+    offsets = sinkhorn_offsets(logits, n)
     free = ()
     shift_grad = tl.zeros_like(m0[0])
     ties = tl.zeros_like(m0[0])
     for ij in tl.static_range(n * n):
-        d = tl.where(shifted[ij] > SINKHORN_FLOOR, g[ij] * m0[ij], 0.0)
+        d = tl.where(offsets[ij] < SINKHORN_FLOOR, 0.0, g[ij] * m0[ij])
         free = free + (d,)
         shift_grad += d
-        ties += tl.where(shifted[ij] == 0.0, 1.0, 0.0)
+        ties += tl.where(offsets[ij] == 0.0, 1.0, 0.0)
     out = ()
     for ij in tl.static_range(n * n):
-        out = out + (free[ij] - tl.where(shifted[ij] == 0.0, shift_grad / ties, 0.0),)
+        out = out + (free[ij] - tl.where(offsets[ij] == 0.0, shift_grad / ties, 0.0),)
     return out
 
 

@@ -101,11 +101,19 @@ def test_forward_and_backward_match_reference(name, n, C, lead):
 @interpreted
 @pytest.mark.parametrize("name", ["pre", "post_pre"])
 def test_extreme_mixing_logits_stay_finite_and_match_the_reference(name):
-    """Res logits spread by ~100 (alpha_res = 300): rows that underflowed to zeros made NaN in the reference and the
-    kernels alike; both start such entries at exp(-80) now, and their gradients still agree."""
+    """Res logits spread by over a thousand (alpha_res = 300): rows that underflowed to zeros made NaN in the reference
+    and the kernels alike; both start such entries at exp(-80) now, and their gradients still agree. Also: logits
+    exactly 80 apart (the floor's edge keeps its gradient), tied maxima, and a NaN, which must come out as NaN."""
     inp = make_inputs(4, 48, (23,), seed=7)
     inp["alpha"] = torch.tensor([0.5, 0.5, 300.0])
     assert_close_to_reference(name, inp, out_tol=1e-5, grad_tol=1e-4)
+    inp["alpha"] = torch.tensor([0.5, 0.5, 0.0])  # the res logits are the bias alone
+    for res_bias in (torch.tensor([80.0] + [0.0] * 15), torch.tensor([5.0, 5.0] + [-100.0] * 14), torch.zeros(16)):
+        inp["bias"] = torch.cat([inp["bias"][:8], res_bias])
+        assert_close_to_reference(name, inp, out_tol=1e-5, grad_tol=1e-4)
+    inp["alpha"] = torch.tensor([0.5, 0.5, float("nan")])
+    for ops in (K, R):
+        assert torch.isnan(call(ops, name, inp)[-1]).all()  # h_res: a floor must not hide a NaN
 
 
 @interpreted
