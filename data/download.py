@@ -13,9 +13,9 @@ request fetches the manifest through a .staging/.manifest-<pid> of its own), che
 the Hub reports (the LFS sha256, or the git blob id of a small file; shards also against their own header), and
 only then renamed into place. A file already in place that matches is skipped, so re-running resumes; the checksums
 of files found good are remembered in DIR/datasets/.verified.json by size and modification time, so a rerun does
-not read 16 GB again. Until every file
-is in place the shard folder holds a marker (data.shards.DOWNLOAD_MARKER) naming the command and the shards it
-expects, and the loaders refuse a pattern that matches one still missing: it would train on part of the set.
+not read 16 GB again. Until every file is in place the shard folder holds a marker (data.shards.DOWNLOAD_MARKER)
+naming the command and the shards it expects, and the loaders refuse a pattern that matches one still missing: it
+would train on part of the set.
 """
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ dtype, sinkhorn_iters >= 1; and there is no double backward (a second-order grad
 
 Where the kernels cannot run (CPU tensors without TRITON_INTERPRET=1, bf16 CPU tensors, which the
 interpreter computes wrongly, fp64 ones, which it computes at fp32's precision, or no triton installed) the calls
-fall back to the PyTorch reference,
-so a model with `mhc_kernels = true` runs anywhere.
+fall back to the PyTorch reference, so a model with `mhc_kernels = true` runs anywhere.
 """
 from __future__ import annotations
 

@@ -12,11 +12,11 @@ forward+backward of the compiled versions (torch.profiler).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import tempfile
 import time
+from unittest import mock
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
@@ -99,18 +99,9 @@ def first_call_seconds(fn, x, w_up, w_down) -> float:
     return time.perf_counter() - start
 
 
-@contextlib.contextmanager
 def env_var(name: str, value: str):
-    """Sets an environment variable for the block and restores what was there."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
+    """Sets an environment variable for a `with` block and restores what was there (the standard library's)."""
+    return mock.patch.dict(os.environ, {name: value})
 
 
 def config_label(config) -> str:
