@@ -62,15 +62,19 @@ def mhc_coefficients(
     alpha: torch.Tensor,
     bias: torch.Tensor,
     sinkhorn_iters: int = 20,
+    raw_hook=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token mixing coefficients, computed in fp32 (autocast off: under the model's bf16 autocast the
-    projection's output was rounded to bf16, 0.014 off at unit scale).
+    projection's output was rounded to bf16, 0.014 off at unit scale). raw_hook(raw) -> raw, when given, sees the
+    projection's output (the quantizer's Fisher pass hooks its gradient).
 
     Returns h_pre [..., n] = sigmoid, h_post [..., n] = 2*sigmoid, h_res [..., n, n] doubly stochastic.
     """
     n = x.shape[-2]
     with torch.autocast(x.device.type, enabled=False):
         raw = mhc_projection_input(x) @ phi.float()                # [..., N]
+    if raw_hook is not None:
+        raw = raw_hook(raw)
     alpha = alpha.float()
     bias = bias.float()
     h_pre = torch.sigmoid(alpha[0] * raw[..., :n] + bias[:n])
@@ -118,9 +122,9 @@ def mhc_init_bias(n: int, res_diag_logit: float = 2.0) -> torch.Tensor:
 
 # --- The three calls the model makes; kernels/mhc.py provides fused versions with these signatures.
 
-def mhc_pre(x, phi, alpha, bias, sinkhorn_iters: int = 20):
+def mhc_pre(x, phi, alpha, bias, sinkhorn_iters: int = 20, raw_hook=None):
     """Coefficients + pre-mix for one sublayer: returns (u [..., C], h_post [..., n], h_res [..., n, n])."""
-    h_pre, h_post, h_res = mhc_coefficients(x, phi, alpha, bias, sinkhorn_iters)
+    h_pre, h_post, h_res = mhc_coefficients(x, phi, alpha, bias, sinkhorn_iters, raw_hook)
     return mhc_premix(x, h_pre), h_post, h_res
 
 
@@ -129,9 +133,9 @@ def mhc_post(x, h_res, h_post, y):
     return mhc_apply(x, h_res, h_post, y)
 
 
-def mhc_post_pre(x, h_res, h_post, y, phi, alpha, bias, sinkhorn_iters: int = 20):
+def mhc_post_pre(x, h_res, h_post, y, phi, alpha, bias, sinkhorn_iters: int = 20, raw_hook=None):
     """Apply of sublayer l followed by coefficients + pre-mix of sublayer l+1 (the fusion point):
     returns (x' [..., n, C], u_next [..., C], h_post_next [..., n], h_res_next [..., n, n])."""
     x_new = mhc_apply(x, h_res, h_post, y)
-    u, h_post_next, h_res_next = mhc_pre(x_new, phi, alpha, bias, sinkhorn_iters)
+    u, h_post_next, h_res_next = mhc_pre(x_new, phi, alpha, bias, sinkhorn_iters, raw_hook)
     return x_new, u, h_post_next, h_res_next

@@ -23,10 +23,14 @@ and x from a plain one, and is added by the decoder block as its wiring takes it
 """
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels import mhc_reference
 from kernels.mhc_reference import mhc_projection_input
 from model.config import ModelConfig
 from model.features import BigramHash, SmearGate, UNetSkips
@@ -34,6 +38,7 @@ from model.layers import MLP, Attention, RMSNorm, RotaryTables, Sublayer
 from model.mhc import MHCParams, mhc_ops
 
 
+HEAD = "embed.weight"  # the tied table, by state_dict name: the token embedding and the output layer
 PHI_SEED_OFFSET = 0x6D6863  # phi's generator: the run's seed plus this ("mhc"), apart from the global stream
 
 
@@ -76,6 +81,10 @@ class GPT(nn.Module):
         # 2-D parameter `name` (out x in) multiplies, for the parameters that are not nn.Linear weights
         # (mHC phi), so GPTQ gets their Hessians as it does a Linear's from a forward hook.
         self.quant_observer = None
+        # Set only during the quantizer's Fisher pass: called as y = observer(name, y) with the output of the 2-D
+        # parameter `name` that is not an nn.Linear weight (mHC phi's projection, the tied head's logits), to hook
+        # the loss gradient there. mHC then runs the PyTorch reference, where the projection is one tensor.
+        self.quant_grad_observer = None
         self.reset_parameters()
 
     # -- init ---------------------------------------------------------------------------------------
@@ -159,7 +168,7 @@ class GPT(nn.Module):
         streams = x.to(dtype).unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]).contiguous()
         p0 = self.mhc[0]
         self._observe_mhc_input(0, streams)
-        u, h_post, h_res = self.ops.pre(streams, p0.projection(), p0.alpha, p0.bias, it)
+        u, h_post, h_res = self._mhc_ops(0).pre(streams, p0.projection(), p0.alpha, p0.bias, it)
         saved: list[torch.Tensor] = []  # U-Net: the state after each encoder block (see module doc)
         per_block = self.cfg.mhc_granularity == "block"
         last = len(self.mhc) - 1
@@ -174,13 +183,13 @@ class GPT(nn.Module):
             y = (y if skip is None else y + skip).to(dtype)  # the skip reaches the streams, as in the plain one
             if l < last:
                 p = self.mhc[l + 1]
-                streams, u, h_post, h_res = self.ops.post_pre(streams, h_res, h_post, y, p.projection(), p.alpha,
-                                                              p.bias, it)
+                streams, u, h_post, h_res = self._mhc_ops(l + 1).post_pre(streams, h_res, h_post, y, p.projection(),
+                                                                          p.alpha, p.bias, it)
                 self._observe_mhc_input(l + 1, streams)  # post_pre returned unit l+1's input with its coefficients
                 if self.unet is not None and (per_block or l % 2 == 1) and self.unet.is_encoder(block):
                     saved.append(u)  # the state after the block: what the next block reads
             else:
-                streams = self.ops.post(streams, h_res, h_post, y)
+                streams = self._mhc_ops(l).post(streams, h_res, h_post, y)
         # An elementwise product and a sum over the stream axis, not an einsum: einsum lowers to a matrix
         # product with K = n (forward) and K = 1 (backward) over all B*T*C elements, which cuBLAS ran
         # as GEMV kernels taking 3.1 ms (n=4) and 6.0 ms (n=2) of an H100 step; this inductor fuses.
@@ -191,6 +200,14 @@ class GPT(nn.Module):
         if self.n_mhc_blocks < self.cfg.n_layers:
             x = self._hidden_plain(x, value_embed, self.n_mhc_blocks, saved)
         return x
+
+    def _mhc_ops(self, unit: int) -> SimpleNamespace:
+        """The mHC calls for unit `unit`: the model's own, or in the Fisher pass the reference reporting phi's output."""
+        if self.quant_grad_observer is None:
+            return self.ops
+        hook = functools.partial(self.quant_grad_observer, f"mhc.{unit}.phi")
+        return SimpleNamespace(pre=functools.partial(mhc_reference.mhc_pre, raw_hook=hook), post=mhc_reference.mhc_post,
+                               post_pre=functools.partial(mhc_reference.mhc_post_pre, raw_hook=hook))
 
     def _observe_mhc_input(self, unit: int, streams: torch.Tensor) -> None:
         if self.quant_observer is not None:
@@ -203,7 +220,12 @@ class GPT(nn.Module):
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         h = self.final_norm(self.hidden(idx))
-        logits = F.linear(h, self.embed.weight.to(h.dtype)).float()
+        if self.quant_observer is not None:  # the tied table is also the output layer: GPTQ it on the head's input
+            self.quant_observer(HEAD, h)
+        logits = F.linear(h, self.embed.weight.to(h.dtype))
+        if self.quant_grad_observer is not None:
+            logits = self.quant_grad_observer(HEAD, logits)
+        logits = logits.float()
         cap = self.cfg.logit_softcap
         return cap * torch.tanh(logits / cap) if cap > 0 else logits
 

@@ -1,4 +1,5 @@
-"""Mixed precision: int6 for the matrices that need it most, int5 for the rest, under a byte budget.
+"""The rank scheme (quant.scheme = "rank"): int6 for the matrices that need it most, int5 for the rest, under a byte
+budget.
 
 Sensitivity (the ranking key) is the measured cost of downgrading a matrix, per parameter:
     s = (E5 - E6) / numel,   E_b = tr(ΔW_b H ΔW_bᵀ), ΔW_b = GPTQ_b(W) - W, H = XᵀX/n.
@@ -25,18 +26,9 @@ Either search stops at a prefix of its order: the next matrix does not fit, but 
 each matrix's own chunk size, the bytes left under the budget are filled in the same order (int4 matrices back to
 int5, costliest demotion first; else int5 matrices to int6, most sensitive first), each step measured.
 
-Lagrangian allocation (quant.allocator = lagrangian): every width from min_bits to int6 is a candidate,
-priced by its own measured bytes (each tensor is its own compressed chunk, so bytes add up) and its
-error E_b. The candidates of one matrix that lie on the lower convex hull of (bytes, E) form a path
-from its widest to its narrowest width; starting from all-widest, the step that adds the least error
-per byte saved is taken until the artifact fits. Each solution on the way minimizes Σ E + λ·bytes for
-some λ, so it is the least-error assignment among all that use at most its bytes. Unlike the ranking,
-it may put the least sensitive matrices at int4 to pay for int6 on the most sensitive ones (their
-sensitivities span three orders of magnitude in practice).
 """
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable
 
 LOW_BITS, HIGH_BITS = 5, 6
@@ -203,141 +195,3 @@ def allocation_log(order_sensitivity: dict[str, float], bits: dict[str, int], de
     order = rank_by_sensitivity(order_sensitivity)
     return [{"rank": i, "name": name, "bits": bits[name], "sensitivity": order_sensitivity[name], **details.get(name, {})}
             for i, name in enumerate(order)]
-
-
-def hull_path(options: dict[int, tuple[float, int]]) -> list[int]:
-    """Widths on the lower convex hull of (bytes, error), most bytes first: the downgrade path.
-
-    options: {bits: (error, bytes)}. A width that costs more bytes without less error, or that a mix
-    of its neighbours beats, is left out.
-    """
-    points = sorted(options.items(), key=lambda kv: (kv[1][1], kv[1][0]))  # fewest bytes first
-    hull: list[tuple[int, float, int]] = []
-    for bits, (err, nbytes) in points:
-        if hull and err >= hull[-1][1]:
-            continue  # more bytes for no less error: dominated
-        while len(hull) >= 2:
-            (_, e1, b1), (_, e2, b2) = hull[-2], hull[-1]
-            # drop the middle point when it lies on or above the chord from hull[-2] to this one
-            if (e2 - e1) * (nbytes - b1) >= (err - e1) * (b2 - b1):
-                hull.pop()
-            else:
-                break
-        hull.append((bits, err, nbytes))
-    return [bits for bits, _, _ in reversed(hull)]
-
-
-def allocate_lagrangian(options: dict[str, dict[int, tuple[float, int]]], size_of: Callable[[dict[str, int]], int],
-                        budget_bytes: int) -> tuple[dict[str, int], int, list[dict]]:
-    """Returns (bits per matrix, artifact bytes, the search log); options[name] = {bits: (error, chunk bytes)}.
-
-    Downgrades along each matrix's hull path, cheapest error per saved byte first, until the chunk
-    bytes say it fits; then the real artifact is measured, and the walk goes on while it is over. Where it stops
-    has the least error of all assignments that use no more bytes. But the step that crossed the budget may free
-    far more than was over (a large matrix's), and those bytes would go unused (found by a review: 50 bytes taken
-    for a 5-byte overshoot). So two repairs follow, each measured and kept only if the artifact fits with less
-    error: the last step undone and the walk finished without it (`instead_of_last_step`), then the bytes still
-    left under the budget spent on steps back up (`fill_slack`). Probes of the repairs log error_per_byte -1.
-    """
-    if not options:
-        raise ValueError("no matrices to allocate bits to")
-    size_of = KnownSizes(size_of)
-    paths = {name: hull_path(opts) for name, opts in options.items()}
-    position = {name: 0 for name in paths}
-    probes: list[dict] = []
-
-    def current() -> dict[str, int]:
-        return {name: paths[name][i] for name, i in position.items()}
-
-    def measure(slope: float) -> int:
-        bits = current()
-        counts = {f"n_int{b}": sum(v == b for v in bits.values()) for b in (HIGH_BITS, LOW_BITS, FALLBACK_BITS)}
-        return probe(size_of, bits, budget_bytes, probes, **counts, error_per_byte=slope)
-
-    def push(heap: list, name: str) -> None:
-        i, path = position[name], paths[name]
-        if i + 1 < len(path):
-            (e_hi, b_hi), (e_lo, b_lo) = options[name][path[i]], options[name][path[i + 1]]
-            heapq.heappush(heap, ((e_lo - e_hi) / (b_hi - b_lo), name))
-
-    def walk(heap: list, estimate: int) -> tuple[str, int, float]:
-        """Takes the heap's cheapest step: (its matrix, the estimate after it, its error per saved byte)."""
-        slope, name = heapq.heappop(heap)
-        i = position[name]
-        estimate -= options[name][paths[name][i]][1] - options[name][paths[name][i + 1]][1]
-        position[name] = i + 1
-        push(heap, name)
-        return name, estimate, slope
-
-    size = measure(0.0)
-    estimate, last = size, None
-    heap: list = []
-    for name in sorted(paths):
-        push(heap, name)
-    while size > budget_bytes:
-        if not heap:
-            narrowest = min(min(path) for path in paths.values())
-            lever = ("or allow int4 with quant.min_bits=4" if narrowest > FALLBACK_BITS else
-                     "or store fewer tensors as tables, with fewer bits (quant.table_bits, quant.phi_bits)")
-            raise BudgetError(f"even the narrowest widths (int{narrowest}) make a {size}-byte artifact, over the "
-                              f"budget of {budget_bytes} bytes by {size - budget_bytes} bytes; hint: shrink the "
-                              f"model, {lever}")
-        last, estimate, slope = walk(heap, estimate)
-        if estimate <= budget_bytes or not heap:
-            size = estimate = measure(slope)
-    if last is not None:
-        size = instead_of_last_step(last, size, budget_bytes, paths, position, options, push, walk, measure)
-    size = fill_slack(paths, position, options, size, budget_bytes, measure)
-    return current(), size, probes
-
-
-def _error(paths: dict[str, list[int]], position: dict[str, int], options: dict) -> float:
-    return sum(options[name][paths[name][i]][0] for name, i in position.items())
-
-
-def instead_of_last_step(last: str, size: int, budget_bytes: int, paths: dict[str, list[int]],
-                         position: dict[str, int], options: dict, push, walk, measure) -> int:
-    """Undoes `last`'s step and walks on along the other matrices' steps until the estimate fits; measured and kept
-    when that has less error and fits, else the walk's stop is restored. Returns the size of what is kept."""
-    kept = dict(position)
-    i = position[last] = position[last] - 1
-    estimate = size + options[last][paths[last][i]][1] - options[last][paths[last][i + 1]][1]
-    heap: list = []
-    for name in sorted(paths):
-        if name != last:
-            push(heap, name)
-    while estimate > budget_bytes and heap:
-        _, estimate, _ = walk(heap, estimate)
-    if estimate <= budget_bytes and _error(paths, position, options) < _error(paths, kept, options):
-        measured = measure(-1.0)
-        if measured <= budget_bytes:
-            return measured
-    position.update(kept)
-    return size
-
-
-def fill_slack(paths: dict[str, list[int]], position: dict[str, int], options: dict, size: int, budget_bytes: int,
-               measure: Callable[[float], int]) -> int:
-    """Moves matrices back up their hull paths while the estimate says the step fits in what the budget has left,
-    most error saved per byte first; a step whose measured artifact is over is undone, and no step as large is
-    tried after it. Returns the final size."""
-    def back_step(name: str) -> tuple[float, int]:  # (error saved, bytes added) by going one width back
-        (e_now, b_now), (e_up, b_up) = (options[name][paths[name][position[name] + d]] for d in (0, -1))
-        return e_now - e_up, b_up - b_now
-
-    limit = budget_bytes
-    for _ in range(FILL_PROBES):
-        steps = [(name, *back_step(name)) for name in sorted(paths) if position[name] > 0]
-        fitting = [(gain / cost, name, cost) for name, gain, cost in steps if 0 < cost and size + cost <= limit
-                   and gain > 0]
-        if not fitting:
-            break
-        _, name, cost = max(fitting)
-        position[name] -= 1
-        measured = measure(-1.0)
-        if measured <= budget_bytes:
-            size = measured
-        else:  # the estimate was short of the real artifact
-            position[name] += 1
-            limit = min(limit, size + cost - 1)
-    return size

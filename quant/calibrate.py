@@ -6,6 +6,7 @@ tokens from `generate_calibration_tokens` (sampled from the model, so no data is
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -14,25 +15,33 @@ import torch.nn as nn
 class HessianCollector:
     """XᵀX in fp32 on the model's device for the inputs of every given nn.Linear (forward hooks) and of
     every `observed` 2-D parameter [out, in] that is not a Linear weight (the model reports those
-    inputs itself through its `quant_observer` attribute; see model/gpt.py).
+    inputs itself through its `quant_observer` attribute; see model/gpt.py). `optional` names are observed
+    when the model reports them and skipped otherwise (an embedding table that is also the output head);
+    `lookups` (nn.Embedding modules) get the count of every row's uses.
 
     Memory: one [in, in] fp32 matrix per matrix (66 modules of in ≤ 1792 is at most 66 × 12.8 MB;
     22 mHC phi of in = 2048 add 22 × 16.8 MB).
     """
 
-    def __init__(self, modules: dict[str, nn.Linear], observed: dict[str, torch.Tensor] | None = None):
+    def __init__(self, modules: dict[str, nn.Linear], observed: dict[str, torch.Tensor] | None = None,
+                 optional: dict[str, torch.Tensor] | None = None, lookups: dict[str, nn.Embedding] | None = None):
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, int] = {}
+        self.optional = set(optional or ())
+        self.uses: dict[str, torch.Tensor] = {}
         self._handles = []
         for name, module in modules.items():
             if not isinstance(module, nn.Linear):
                 raise TypeError(f"{name}: Hessian collection hooks nn.Linear modules, got {type(module).__name__}")
             self._track(name, module.weight)
             self._handles.append(module.register_forward_hook(self._hook(name)))
-        for name, weight in (observed or {}).items():
+        for name, weight in {**(observed or {}), **(optional or {})}.items():
             if weight.ndim != 2:
                 raise ValueError(f"{name}: an observed matrix must be 2-D [out, in], got shape {tuple(weight.shape)}")
             self._track(name, weight)
+        for name, module in (lookups or {}).items():
+            self.uses[name] = torch.zeros(module.weight.shape[0], dtype=torch.float64, device=module.weight.device)
+            self._handles.append(module.register_forward_hook(self._count(name)))
 
     def _track(self, name: str, weight: torch.Tensor) -> None:
         self.sums[name] = torch.zeros(weight.shape[1], weight.shape[1], dtype=torch.float32, device=weight.device)
@@ -41,6 +50,12 @@ class HessianCollector:
     def _hook(self, name: str):
         def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
             self.observe(name, inputs[0])
+        return hook
+
+    def _count(self, name: str):
+        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            rows = inputs[0].detach().reshape(-1).long()
+            self.uses[name] += torch.bincount(rows, minlength=self.uses[name].numel()).double()
         return hook
 
     def observe(self, name: str, x: torch.Tensor) -> None:
@@ -60,20 +75,29 @@ class HessianCollector:
         self._handles.clear()
 
     def hessians(self) -> dict[str, torch.Tensor]:
-        """H = XᵀX / n per matrix; one never seen is an error (it would get no calibration)."""
-        missing = [name for name, n in self.counts.items() if n == 0]
+        """H = XᵀX / n per matrix seen; a matrix never seen is an error (it would get no calibration) unless optional."""
+        missing = [name for name, n in self.counts.items() if n == 0 and name not in self.optional]
         if missing:
             raise RuntimeError(f"calibration never saw the inputs of these matrices: {missing[:5]}"
                                f"{' ...' if len(missing) > 5 else ''}; hint: is the model calling them "
                                "(and reporting observed ones through quant_observer)?")
-        return {name: s / self.counts[name] for name, s in self.sums.items()}
+        return {name: s / self.counts[name] for name, s in self.sums.items() if self.counts[name]}
+
+
+@dataclass
+class Calibration:
+    """What one pass over the calibration batches measured."""
+    hessians: dict[str, torch.Tensor]      # H = XᵀX/n per matrix (and per optional table the model reported)
+    tokens: int
+    uses: dict[str, torch.Tensor] = field(default_factory=dict)  # per lookup table, each row's share of the lookups
 
 
 @torch.no_grad()
-def collect_hessians(model: nn.Module, modules: dict[str, nn.Linear], calib_batches: Iterable[torch.Tensor],
-                     autocast_dtype: torch.dtype | None = None, observed: dict[str, torch.Tensor] | None = None,
-                     ) -> tuple[dict[str, torch.Tensor], int]:
-    """Run `model(ids)` over every batch with hooks on `modules`; returns (Hessians, tokens seen).
+def calibrate(model: nn.Module, modules: dict[str, nn.Linear], calib_batches: Iterable[torch.Tensor],
+              autocast_dtype: torch.dtype | None = None, observed: dict[str, torch.Tensor] | None = None,
+              optional: dict[str, torch.Tensor] | None = None, lookups: dict[str, nn.Embedding] | None = None,
+              ) -> Calibration:
+    """Run `model(ids)` over every batch with hooks on `modules` (and `lookups`); see HessianCollector.
 
     observed: 2-D parameters (by state_dict name) whose inputs the model reports by calling
     `model.quant_observer(name, x)`; they get Hessians like the Linears.
@@ -83,13 +107,15 @@ def collect_hessians(model: nn.Module, modules: dict[str, nn.Linear], calib_batc
     for that dtype (an fp32 calibration of the mHC model spent 34 s compiling fp32 Triton variants).
     """
     device = next(model.parameters()).device
-    if observed and not hasattr(model, "quant_observer"):  # before the collector hooks the modules
+    if (observed or optional) and not hasattr(model, "quant_observer"):  # before the collector hooks the modules
         raise TypeError(f"{type(model).__name__} has no quant_observer attribute, so the inputs of "
-                        f"{list(observed)[:3]} cannot be observed; hint: quantize them as int8 tables instead")
-    collector = HessianCollector(modules, observed)
+                        f"{list(observed or optional)[:3]} cannot be observed; hint: quantize them as int8 tables "
+                        "instead")
+    collector = HessianCollector(modules, observed, optional, lookups)
     was_training, tokens = model.training, 0
     model.eval()
-    if observed:
+    reporting = bool(observed or optional)
+    if reporting:
         model.quant_observer = collector.observe
     try:
         for ids in calib_batches:
@@ -100,40 +126,84 @@ def collect_hessians(model: nn.Module, modules: dict[str, nn.Linear], calib_batc
             tokens += ids.numel()
     finally:
         collector.remove()
-        if observed:
+        if reporting:
             model.quant_observer = None
         model.train(was_training)
     if tokens == 0:
         raise ValueError("calibration got no batches; hint: pass a non-empty iterable of [B, T] token ids")
-    return collector.hessians(), tokens
+    uses = {name: (u / u.sum().clamp_min(1)).float() for name, u in collector.uses.items()}
+    return Calibration(collector.hessians(), tokens, uses)
 
 
-def collect_output_fisher(model: nn.Module, modules: dict[str, nn.Linear], calib_batches: Iterable[torch.Tensor],
-                          autocast_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Per output unit of every module, the mean over tokens of (d loss / d output)², the loss summed
-    over next-token predictions (so the scale does not depend on the batch size).
+def collect_hessians(model: nn.Module, modules: dict[str, nn.Linear], calib_batches: Iterable[torch.Tensor],
+                     autocast_dtype: torch.dtype | None = None, observed: dict[str, torch.Tensor] | None = None,
+                     ) -> tuple[dict[str, torch.Tensor], int]:
+    """(Hessians, tokens seen) of `calibrate` for Linears and observed matrices."""
+    result = calibrate(model, modules, calib_batches, autocast_dtype, observed)
+    return result.hessians, result.tokens
+
+
+@dataclass
+class Fisher:
+    """Mean over calibration tokens of the squared loss gradient: per output row of every matrix (`rows`), and per
+    entry of every lookup table (`lookups`, [rows, width]: a token's gradient at the lookup's output counts for the
+    row it read)."""
+    rows: dict[str, torch.Tensor]
+    lookups: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def collect_fisher(model: nn.Module, modules: dict[str, nn.Linear], calib_batches: Iterable[torch.Tensor],
+                   autocast_dtype: torch.dtype | None = None, observed: Iterable[str] = (),
+                   lookups: dict[str, nn.Embedding] | None = None) -> Fisher:
+    """Per output unit of every module (and of every `observed` matrix whose output the model reports through
+    `model.quant_grad_observer(name, y)`), the mean over tokens of (d loss / d output)², the loss summed
+    over next-token predictions (so the scale does not depend on the batch size); per entry of every lookup table,
+    the same at the lookup's output, added to the row each token read.
 
     Why: a matrix's quantization error as GPTQ measures it is the mean squared error of its outputs;
     weighting each output row by how much the loss reacts to it (the diagonal of the empirical Fisher
-    of the outputs) turns that into an estimate of the loss increase, comparable across matrices.
-    The weights' .grad is left as it was found (None).
+    of the outputs) turns that into an estimate of the loss increase, comparable across matrices; a table's
+    entries the same way. The weights' .grad is left as it was found (None).
     """
     device = next(model.parameters()).device
-    sums = {name: torch.zeros(m.weight.shape[0], dtype=torch.float32, device=device) for name, m in modules.items()}
-    counts = dict.fromkeys(modules, 0)
+    observed, lookups = list(observed), lookups or {}
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    tables = {name: torch.zeros_like(m.weight, dtype=torch.float32) for name, m in lookups.items()}
 
-    def hook(name):
-        def record(module, grad_input, grad_output):
-            g = grad_output[0].detach().reshape(-1, grad_output[0].shape[-1]).float()
-            sums[name] += g.square().sum(dim=0)
-            counts[name] += g.shape[0]
-        return record
+    def add(name: str, g: torch.Tensor) -> None:
+        g = g.detach().reshape(-1, g.shape[-1]).float()
+        sums[name] = sums.get(name, 0) + g.square().sum(dim=0)
+        counts[name] = counts.get(name, 0) + g.shape[0]
+
+    def on_output(name: str, y: torch.Tensor) -> torch.Tensor:
+        if name in observed and y.requires_grad:
+            y.register_hook(lambda g: add(name, g))
+        return y
+
+    def module_hook(name):
+        return lambda module, grad_input, grad_output: add(name, grad_output[0])
+
+    def lookup_hook(name):
+        def forward(module, inputs, output):
+            rows = inputs[0].detach().reshape(-1)
+
+            def backward(g: torch.Tensor) -> None:
+                tables[name].index_add_(0, rows, g.detach().reshape(rows.numel(), -1).float().square())
+            output.register_hook(backward)
+        return forward
 
     hint = (f"{type(model).__name__}(ids, targets) must return the scalar mean loss for Fisher weights; "
             "hint: use error_weight='output' with this model")
-    handles = [m.register_full_backward_hook(hook(name)) for name, m in modules.items()]
-    was_training = model.training
+    if observed and not hasattr(model, "quant_grad_observer"):
+        raise TypeError(f"{type(model).__name__} has no quant_grad_observer attribute, so the outputs of "
+                        f"{observed[:3]} cannot be observed; hint: use error_weight='output'")
+    handles = [m.register_full_backward_hook(module_hook(name)) for name, m in modules.items()]
+    handles += [m.register_forward_hook(lookup_hook(name)) for name, m in lookups.items()]
+    was_training, tokens = model.training, 0
     model.eval()
+    if observed:
+        model.quant_grad_observer = on_output
     try:
         for ids in calib_batches:
             ids = ids.to(device)
@@ -147,20 +217,31 @@ def collect_output_fisher(model: nn.Module, modules: dict[str, nn.Linear], calib
             if not (isinstance(loss, torch.Tensor) and loss.ndim == 0):
                 raise TypeError(hint)
             (loss.float() * ids[:, 1:].numel()).backward()
+            tokens += ids[:, :-1].numel()
     finally:
         for h in handles:
             h.remove()
+        if observed:
+            model.quant_grad_observer = None
         model.zero_grad(set_to_none=True)
         model.train(was_training)
-    missing = [name for name, n in counts.items() if n == 0]
+    missing = [name for name in [*modules, *observed] if not counts.get(name)]
     if missing:
         raise RuntimeError(f"no gradient reached the outputs of {missing[:5]}; hint: are they on the loss path?")
-    # A NaN weight would make that matrix's error NaN, and the allocators' orderings undefined (found by a review)
-    broken = [name for name in modules if not torch.isfinite(sums[name]).all()]
+    rows = {name: sums[name] / counts[name] for name in [*modules, *observed]}
+    lookup = {name: t / max(tokens, 1) for name, t in tables.items()}
+    # A NaN weight would make that matrix's error NaN, and the allocators' orderings undefined
+    broken = [name for name, f in [*rows.items(), *lookup.items()] if not torch.isfinite(f).all()]
     if broken:
         raise ValueError(f"Fisher weights of {broken[:5]} hold NaN or Inf (the loss gradient overflowed on the "
                          "calibration batches); hint: error_weight='output' needs no backward pass")
-    return {name: sums[name] / counts[name] for name in modules}
+    return Fisher(rows, lookup)
+
+
+def collect_output_fisher(model: nn.Module, modules: dict[str, nn.Linear], calib_batches: Iterable[torch.Tensor],
+                          autocast_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The per-row Fisher weights of `collect_fisher` for nn.Linear modules alone."""
+    return collect_fisher(model, modules, calib_batches, autocast_dtype).rows
 
 
 @torch.no_grad()

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from data.files import write_atomic
-from quant.pack import LAYOUTS, WIDTHS, QuantizedTensor, decode_codes, decode_scales, encode_codes, \
+from quant.pack import LAYOUTS, WIDTHS, QuantizedTensor, check_grid, decode_codes, decode_scales, encode_codes, \
     encode_scales, encoded_codes_size
 
 MAGIC = b"MHCGOLF\x00"
@@ -121,7 +121,8 @@ def encode_tensor(name: str, value, layout: str) -> tuple[dict, bytes]:
         codes = encode_codes(value.codes, value.bits, layout)
         raw = codes + encode_scales(value.scales)
         entry = {"name": name, "kind": "quant", "shape": list(value.shape), "bits": value.bits,
-                 "layout": layout, "scale_offset": len(codes)}
+                 "layout": layout, "scale_offset": len(codes),
+                 **({"family": value.family, "step": value.step} if value.family else {})}
     elif isinstance(value, np.ndarray):
         if value.dtype.name not in ARRAY_DTYPES:
             raise TypeError(f"tensor {name!r}: dtype {value.dtype} cannot be stored; expected one of {ARRAY_DTYPES} "
@@ -301,6 +302,10 @@ def _check_header(path: str, header, payload_len: int) -> None:
         offset += entry["nbytes"]
         if entry.get("raw_nbytes") != _expected_raw_nbytes(entry):
             bad(f"tensor {entry['name']!r}: raw_nbytes or its kind/bits/layout/dtype/scale_offset are inconsistent")
+        try:  # a step is a description, but a forged one must not reach the tools that read it
+            check_grid(entry.get("family", ""), entry.get("step", 0.0))
+        except ValueError as exc:
+            bad(f"tensor {entry['name']!r}: {exc}")
     if offset != payload_len:
         bad(f"chunks cover {offset} bytes but the payload has {payload_len}")
     declared = sum(entry["raw_nbytes"] for entry in header["tensors"])
@@ -331,7 +336,8 @@ def _decode_entry(entry: dict, raw: bytes, stored: bool = False):
         scales = decode_scales(raw[split:], shape[0])
         if not np.isfinite(scales).all():  # the exporter never writes one: a forged or damaged file
             raise ValueError("its scales hold NaN or Inf")
-        qt = QuantizedTensor(codes.reshape(shape), scales, entry["bits"])
+        qt = QuantizedTensor(codes.reshape(shape), scales, entry["bits"], entry.get("family", ""),
+                             entry.get("step", 0.0))
         return qt if stored else qt.dequantize()
     array = np.frombuffer(raw, dtype=np.dtype(entry["dtype"]).newbyteorder("<")).reshape(shape)
     array = array.astype(array.dtype.newbyteorder("="))

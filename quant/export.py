@@ -1,15 +1,12 @@
-"""The one entry point the trainer calls: calibrate, quantize, allocate bits, write and verify the artifact.
+"""The one entry point the trainer calls: calibrate, quantize, write and verify the artifact.
 
 Which tensor gets which treatment (by state_dict name):
-  * the weight of every nn.Linear           -> GPTQ (or RTN) int5/int6, per allocate.allocate_bits
-                                               (int4 for a few when min_bits=4 and all-int5 is over budget),
-                                               or per allocate.allocate_lagrangian (allocator="lagrangian");
-                                               errors are output MSE, or Fisher-weighted (error_weight="fisher");
-  * 2-D tensors matching `observed_patterns` -> GPTQ (or RTN) at the fixed `observed_bits`, on the Hessian
-    (parameters [out, in] whose inputs the       of the inputs the model reports (mHC phi); they stay out of
-    model reports, see quant/calibrate.py)       the allocation, whose sensitivities are Linear output errors;
-  * nn.Embedding weights, and 2-D tensors
-    matching one of `table_patterns`        -> int8 per-row scale, round-to-nearest;
+  * the weight of every nn.Linear                   -> a matrix, quantized by the scheme (quant/schemes.py);
+  * 2-D tensors matching `observed_patterns`        -> a matrix too, on the Hessian of the inputs the model
+    (parameters [out, in] whose inputs the model       reports (mHC phi; see quant/calibrate.py);
+    reports)
+  * nn.Embedding weights, and 2-D tensors matching  -> a table: by the scheme, on its lookups' statistics (the tied
+    one of `table_patterns`                            embedding also on the output layer's input Hessian);
   * everything else (norm gains, scalars,
     biases, other small tensors)            -> float16, or float32 when it has <= FP32_MAX_NUMEL
     elements: those are scalars/gates/mixing biases where fp16's 3-digit precision could shift
@@ -17,9 +14,7 @@ Which tensor gets which treatment (by state_dict name):
 """
 from __future__ import annotations
 
-import contextlib
 import fnmatch
-import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -29,12 +24,14 @@ import torch
 import torch.nn as nn
 
 from data.files import write_atomic
-from quant.allocate import FALLBACK_BITS, HIGH_BITS, LOW_BITS, allocate_bits, allocate_lagrangian, allocation_log
-from quant.calibrate import collect_hessians, collect_output_fisher
+from quant.allocate import FALLBACK_BITS, HIGH_BITS, LOW_BITS
+from quant.calibrate import calibrate, collect_fisher
 from quant.container import ChunkCache, build_artifact, check_meta, dequantize_state, parse_artifact
-from quant.gptq import FP16_MAX, gptq_quantize, row_errors, rtn_quantize
-from quant.options import ALLOCATORS, ERROR_WEIGHTS, METHODS, MIN_BITS, OBSERVED_BITS, TABLE_BITS
+from quant.gptq import FP16_MAX
+from quant.options import ERROR_WEIGHTS, METHODS, MIN_BITS, OBSERVED_BITS, SCHEMES, TABLE_BITS
 from quant.pack import QuantizedTensor
+from quant.probe import loss_with, mean_loss
+from quant.schemes import error_models, quantize_rank, quantize_rd, quantize_sdclip
 
 assert MIN_BITS == (FALLBACK_BITS, LOW_BITS), "quant.options.MIN_BITS must name the allocator's widths"
 FP32_MAX_NUMEL = 64
@@ -46,6 +43,7 @@ class TensorPlan:
     observed: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [out, in] weight
     tables: list[str] = field(default_factory=list)
     others: list[str] = field(default_factory=list)
+    embeddings: dict[str, nn.Embedding] = field(default_factory=dict)  # the tables looked up by nn.Embedding
 
 
 def plan_tensors(model: nn.Module, table_patterns: Iterable[str] = (),
@@ -61,6 +59,7 @@ def plan_tensors(model: nn.Module, table_patterns: Iterable[str] = (),
             plan.linears[prefix + "weight"] = module
         elif isinstance(module, nn.Embedding):
             embeddings.add(prefix + "weight")
+            plan.embeddings[prefix + "weight"] = module
     kinds = {**{p: "table" for p in table_patterns}, **{p: "observed" for p in observed_patterns}}
     used = {p: False for p in kinds}
     for name, tensor in state.items():
@@ -113,82 +112,20 @@ def small_tensor(tensor: torch.Tensor) -> np.ndarray:
     return t.numpy().copy()
 
 
-def _table(name: str, weight: torch.Tensor, bits: int):
-    """An embedding table, round-to-nearest per row; an error names the table."""
-    with _naming(name):
-        return rtn_quantize(weight, bits)[0]
-
-
-@contextlib.contextmanager
-def _naming(name: str):
-    """Prefix a quantizer's error (a NaN Hessian, a shape, a Hessian GPTQ cannot factorize) with the matrix it was
-    quantizing, keeping its type."""
-    try:
-        yield
-    except (ValueError, RuntimeError) as e:
-        raise type(e)(f"{name}: {e}") from e
-
-
-def quantize_matrices(plan: TensorPlan, hessians: dict[str, torch.Tensor], method: str, min_bits: int = LOW_BITS,
-                      row_weights: dict[str, torch.Tensor] | None = None,
-                      ) -> tuple[dict[str, dict[int, QuantizedTensor]], dict[str, dict]]:
-    """Candidates per matrix for every width from min_bits to int6, and their errors (errB keys):
-    Σ_rows Δw H Δwᵀ, each row times its weight when `row_weights` (per output unit) are given."""
-    if method not in METHODS:
-        raise ValueError(f"unknown quantization method {method!r}; expected one of {METHODS}")
-    widths = tuple(range(min_bits, HIGH_BITS + 1))
-    candidates, details = {}, {}
-    for name, module in plan.linears.items():
-        h = hessians[name]
-        weight = module.weight.detach().to(h.device)
-        with _naming(name):
-            results = gptq_quantize(weight, h, widths) if method == "gptq" else {
-                b: rtn_quantize(weight, b, h) for b in widths}
-        candidates[name] = {b: qt for b, (qt, _) in results.items()}
-        errors = {b: err for b, (_, err) in results.items()}
-        if row_weights is not None:
-            f = row_weights[name].to(h.device)
-            errors = {b: float((row_errors(qt.dequantize().to(h.device) - weight.float(), h) * f).sum())
-                      for b, qt in candidates[name].items()}
-        details[name] = {"shape": list(weight.shape), "trace_h_per_in": float(torch.trace(h)) / h.shape[0],
-                         **{f"err{b}": errors[b] for b in widths}}
-    return candidates, details
-
-
-def quantize_observed(plan: TensorPlan, hessians: dict[str, torch.Tensor], method: str, bits: int,
-                      ) -> tuple[dict[str, QuantizedTensor], list[dict]]:
-    """The observed matrices at `bits` (GPTQ or RTN, H-weighted clip search), and a log row for each."""
-    quantized, rows = {}, []
-    for name, weight in plan.observed.items():
-        h = hessians[name]
-        w = weight.detach().to(h.device)
-        with _naming(name):
-            qt, err = gptq_quantize(w, h, (bits,))[bits] if method == "gptq" else rtn_quantize(w, bits, h)
-        quantized[name] = qt
-        rows.append({"name": name, "bits": bits, "shape": list(w.shape), "err": err,
-                     "trace_h_per_in": float(torch.trace(h)) / h.shape[0]})
-    return quantized, rows
-
-
 def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], path: str, meta: dict,
                     budget_bytes: int, method: str = "gptq", log: Callable[[str], None] = print,
                     table_patterns: Iterable[str] = (), codec: str = "brotli", layout: str = "byte",
                     min_bits: int = LOW_BITS, autocast_dtype: torch.dtype | None = None,
                     observed_patterns: Iterable[str] = (), observed_bits: int = HIGH_BITS,
-                    allocator: str = "rank", error_weight: str = "output", table_bits: int = 8) -> dict:
+                    scheme: str = "rd", error_weight: str = "fisher", table_bits: int = 8) -> dict:
     """Quantize `model` into the artifact at `path` (at most `budget_bytes`); returns the report.
 
-    min_bits=4 lets the allocator demote the least sensitive matrices to int4 when even all-int5 is
-    over the budget (see quant/allocate.py); with 5 that case raises BudgetError.
-    table_bits: width of the embedding tables (and `table_patterns` matches), round-to-nearest per row.
-    observed_patterns / observed_bits: non-Linear matrices quantized like Linears at a fixed width,
-    on Hessians from `model.quant_observer` (the mHC phi projections; see model/gpt.py).
-    allocator: "rank" (int6 for a sensitivity-ranked prefix, int4 only as the min_bits=4 fallback, then the
-    bytes left filled in the same order) or
-    "lagrangian" (every width from min_bits to int6 priced by its own bytes; see quant/allocate.py).
-    error_weight: "output" (the allocators compare output MSE) or "fisher" (each output row's error
-    times the mean squared loss gradient of that output: an estimate of the loss increase; one extra
-    forward and backward over the calibration batches).
+    scheme: "rd" (every tensor's step size by rate–distortion under the budget), "rank" (int5/int6 matrices by
+    sensitivity rank; min_bits, observed_bits and table_bits apply to it alone) or "sdclip" (the records' fixed
+    scheme); see quant/schemes.py.
+    error_weight: "fisher" (errors times the loss gradient² at each output: an estimate of the loss increase,
+    comparable across tensors; one extra forward and backward over the calibration batches) or "output" (plain
+    output MSE; a table's error by its rows' share of the lookups).
     autocast_dtype: the calibration forward's autocast (bf16 on a GPU, as in training and evaluation).
 
     The model is not modified. After writing, the artifact is read back and checked bit for bit
@@ -197,84 +134,90 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     check_meta(meta)
     for name, value, allowed in (("method", method, METHODS), ("min_bits", min_bits, MIN_BITS),
                                  ("table_bits", table_bits, TABLE_BITS), ("error_weight", error_weight, ERROR_WEIGHTS),
-                                 ("allocator", allocator, ALLOCATORS), ("observed_bits", observed_bits, OBSERVED_BITS)):
+                                 ("scheme", scheme, SCHEMES), ("observed_bits", observed_bits, OBSERVED_BITS)):
         if value not in allowed:
             raise ValueError(f"quantization option {name}={value!r}: expected one of {allowed}")
     plan = plan_tensors(model, table_patterns, observed_patterns)
     if not plan.linears:
         raise ValueError("the model has no nn.Linear modules to quantize")
+    state = model.state_dict()
+    tables = {name: state[name] for name in plan.tables}
+    by_rd = scheme != "rank"
     timings = {}
     t = time.perf_counter()
     calib_batches = list(calib_batches)  # read twice with Fisher weights
-    hessians, n_tokens = collect_hessians(model, plan.linears, calib_batches, autocast_dtype, plan.observed)
-    fisher = (collect_output_fisher(model, plan.linears, calib_batches, autocast_dtype)
-              if error_weight == "fisher" else None)
+    heads = tables if by_rd and hasattr(model, "quant_observer") else None  # the tied table, reported as the head
+    lookups = plan.embeddings if by_rd else None
+    calib = calibrate(model, plan.linears, calib_batches, autocast_dtype, plan.observed, heads, lookups)
+    fisher = None
+    if error_weight == "fisher":
+        outputs = [*plan.observed, *(n for n in tables if n in calib.hessians)] if by_rd else []
+        fisher = collect_fisher(model, plan.linears, calib_batches, autocast_dtype, outputs, lookups)
     timings["calib_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    candidates, details = quantize_matrices(plan, hessians, method, min_bits, fisher)
-    state = model.state_dict()
-    fixed, observed_log = quantize_observed(plan, hessians, method, observed_bits)
-    fixed.update({name: _table(name, state[name], table_bits) for name in plan.tables})
-    fixed.update({name: small_tensor(state[name]) for name in plan.others})
-    timings["quant_s"] = time.perf_counter() - t
-    del hessians
-
-    meta = {**meta, "quant": {"method": method, "calib_tokens": n_tokens}}
+    meta = {**meta, "quant": {"method": method, "scheme": scheme, "calib_tokens": calib.tokens}}
+    fixed = {name: small_tensor(state[name]) for name in plan.others}
     cache = ChunkCache()
 
-    def compose(bits: dict[str, int]) -> dict:
-        return {name: candidates[name][bits[name]] if name in candidates else fixed[name] for name in state}
+    def measure(values: dict) -> tuple[int, dict[str, int]]:
+        """Bytes of the artifact of `values` with the fixed tensors, and of each of those values' chunks."""
+        quantized = {name: values[name] if name in values else fixed[name] for name in state}
+        size = len(build_artifact(meta, quantized, codec, layout, cache))
+        chunks = cache.get(list(values.items()), codec, layout, 1)
+        return size, {name: len(chunk) for name, (_, chunk) in zip(values, chunks)}
 
-    t = time.perf_counter()
-    numel = {n: d["shape"][0] * d["shape"][1] for n, d in details.items()}
-    sensitivity = {n: (d["err5"] - d["err6"]) / numel[n] for n, d in details.items()}
-    demotion = ({n: (d["err4"] - d["err5"]) / numel[n] for n, d in details.items()}
-                if min_bits == FALLBACK_BITS else None)
-
-    def size_of(bits: dict[str, int]) -> int:
-        return len(build_artifact(meta, compose(bits), codec, layout, cache))
-
-    if allocator == "lagrangian":
-        nbytes = chunk_bytes(candidates, cache, codec, layout)
-        options = {n: {b: (details[n][f"err{b}"], nbytes[n][b]) for b in candidates[n]} for n in candidates}
-        bits, size, probes = allocate_lagrangian(options, size_of, budget_bytes)
+    if by_rd:
+        weights = {**{n: m.weight for n, m in plan.linears.items()}, **plan.observed, **tables}
+        kinds = {**dict.fromkeys(plan.linears, "linear"), **dict.fromkeys(plan.observed, "phi"),
+                 **dict.fromkeys(tables, "table")}
+        models = error_models(weights, kinds, calib, fisher)
+        del calib
+        if scheme == "rd":
+            # Fisher errors are scaled to measured loss (quant/probe.py)
+            probe_loss = loss_probe(model, calib_batches, autocast_dtype, timings) if error_weight == "fisher" else None
+            result = quantize_rd(weights, kinds, models, method, measure, budget_bytes, log, probe_loss)
+        else:
+            result = quantize_sdclip(weights, kinds, models, method, measure, budget_bytes)
     else:
-        def chunk_size(name: str, bits: int) -> int:  # one matrix's compressed chunk (cached, as the probes built it)
-            return len(cache.get([(name, candidates[name][bits])], codec, layout, 1)[0][1])
-        bits, size, probes = allocate_bits(sensitivity, size_of, budget_bytes, demotion, chunk_size)
-    timings["alloc_s"] = time.perf_counter() - t
+        def chunk_size(name: str, value: QuantizedTensor) -> int:
+            return len(cache.get([(name, value)], codec, layout, 1)[0][1])
+        result = quantize_rank({n: m.weight for n, m in plan.linears.items()}, plan.observed, tables, calib, fisher,
+                               method, min_bits, observed_bits, table_bits, measure, budget_bytes, chunk_size)
+    timings["quant_alloc_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    quantized = compose(bits)
+    quantized = {name: result.values[name] if name in result.values else fixed[name] for name in state}
     data = build_artifact(meta, quantized, codec, layout, cache)
-    _verify_round_trip(path, data, quantized, size)  # before the write: a bad artifact never replaces a good one
+    _verify_round_trip(path, data, quantized, result.size)  # before the write: a bad artifact never replaces a good one
     write_atomic(path, data)
-    written = len(data)
     timings["save_verify_s"] = time.perf_counter() - t
 
-    matrices = allocation_log(sensitivity, bits, details)
-    report = {"method": method, "allocator": allocator, "error_weight": error_weight, "codec": codec, "layout": layout, "calib_tokens": n_tokens,
-              "artifact_bytes": written, "budget_bytes": budget_bytes,
-              "n_int6": sum(b == HIGH_BITS for b in bits.values()), "n_int5": sum(b == LOW_BITS for b in bits.values()),
-              "n_int4": sum(b == FALLBACK_BITS for b in bits.values()),
-              "tables": list(plan.tables), "table_bits": table_bits, "others": {n: str(fixed[n].dtype) for n in plan.others},
-              "observed": observed_log,
-              "matrices": matrices, "probes": probes, **timings}
+    bits = {name: result.values[name].bits for name in plan.linears}
+    report = {"method": method, "scheme": scheme, "error_weight": error_weight, "codec": codec, "layout": layout,
+              "calib_tokens": meta["quant"]["calib_tokens"], "artifact_bytes": len(data), "budget_bytes": budget_bytes,
+              **{f"n_int{b}": sum(v == b for v in bits.values()) for b in (8, 6, 5, 4)},
+              "tables": list(plan.tables), "table_bits": table_bits,
+              "others": {n: str(fixed[n].dtype) for n in plan.others},
+              "tensors": result.rows, "observed": result.observed, "matrices": result.matrices,
+              "probes": result.probes, "loss_probes": result.scaled, **timings}
     _log_report(report, log)
     return report
 
 
-def chunk_bytes(candidates: dict[str, dict[int, QuantizedTensor]], cache: ChunkCache, codec: str, layout: str,
-                ) -> dict[str, dict[int, int]]:
-    """Compressed bytes of every candidate's own chunk (all compressed at once, in parallel, and cached
-    for the artifacts the allocator then builds)."""
-    items = [(name, qt) for name, by_bits in candidates.items() for qt in by_bits.values()]
-    chunks = cache.get(items, codec, layout, os.cpu_count() or 1)
-    out: dict[str, dict[int, int]] = {}
-    for (name, qt), (_, chunk) in zip(items, chunks):
-        out.setdefault(name, {})[qt.bits] = len(chunk)
-    return out
+def loss_probe(model: nn.Module, batches: list[torch.Tensor], autocast_dtype, timings: dict) -> Callable:
+    """probe(values) -> the loss increase on the calibration batches with `values` in place; its time goes to
+    timings["probe_s"] (the probes read training tokens: calibration, inside the training budget)."""
+    t = time.perf_counter()
+    base = mean_loss(model, batches, autocast_dtype)
+    timings["probe_s"] = time.perf_counter() - t
+
+    def probe(values: dict[str, QuantizedTensor]) -> float:
+        t = time.perf_counter()
+        loss = loss_with(model, batches, {name: v.dequantize() for name, v in values.items()}, autocast_dtype)
+        timings["probe_s"] += time.perf_counter() - t
+        return loss - base
+    return probe
 
 
 def _verify_round_trip(path: str, data: bytes, quantized: dict, measured: int) -> None:
@@ -289,10 +232,25 @@ def _verify_round_trip(path: str, data: bytes, quantized: dict, measured: int) -
                            f"{(bad or sorted(set(loaded) ^ set(expected)))[0]!r}); nothing was written")
 
 
+def kind_summary(rows: list[dict]) -> dict[str, dict]:
+    """Per tensor kind (linear, phi, table): tensors, parameters, bytes, bits per parameter, summed error."""
+    out: dict[str, dict] = {}
+    for row in rows:
+        k = out.setdefault(row["kind"], {"tensors": 0, "params": 0, "bytes": 0, "error": 0.0})
+        k["tensors"] += 1
+        k["params"] += row["params"]
+        k["bytes"] += row["bytes"]
+        k["error"] += row["error"]
+    for k in out.values():
+        k["bits_per_param"] = 8 * k["bytes"] / max(k["params"], 1)
+    return out
+
+
 def _log_report(report: dict, log: Callable[[str], None]) -> None:
-    log(f"quant: {report['method']} calibration {report['calib_tokens']} tokens in {report['calib_s']:.1f}s, "
-        f"quantization {report['quant_s']:.1f}s, allocation {report['alloc_s']:.1f}s "
-        f"({report['allocator']}, {sum(not p.get('cached') for p in report['probes'])} artifacts built), "
+    log(f"quant: {report['method']} ({report['scheme']}, {report['error_weight']} errors) calibration "
+        f"{report['calib_tokens']} tokens in {report['calib_s']:.1f}s"
+        + (f" (+ loss probes {report['probe_s']:.1f}s)" if "probe_s" in report else "") + ", quantization and allocation "
+        f"{report['quant_alloc_s']:.1f}s ({sum(not p.get('cached') for p in report['probes'])} artifacts built), "
         f"save+verify {report['save_verify_s']:.1f}s")
     for row in report["matrices"]:
         log(f"quant: rank {row['rank']:>3} int{row['bits']} {row['name']:<44} sens {row['sensitivity']:.3e} "
@@ -301,10 +259,17 @@ def _log_report(report: dict, log: Callable[[str], None]) -> None:
     for row in report["observed"]:
         log(f"quant: fixed int{row['bits']} {row['name']:<44} err {row['err']:.3e} "
             f"tr(H)/in {row['trace_h_per_in']:.3e}")
-    if report["n_int4"] and report["allocator"] == "rank":
+    for row in report["tensors"]:
+        log(f"quant: {row['kind']:<6} {row['name']:<40} {row['grid']:<16} int{row['bits']} {row['bytes']:>9,} B "
+            f"{row['bits_per_param']:.3f} bits/param, error {row['error']:.3e}")
+    for kind, k in kind_summary(report["tensors"]).items():
+        log(f"quant: {kind}: {k['tensors']} tensors, {k['params']:,} parameters in {k['bytes']:,} B "
+            f"({k['bits_per_param']:.3f} bits/param), error {k['error']:.4e}")
+    if report["n_int4"] and report["scheme"] == "rank":
         log(f"quant: WARNING all-int5 was over the budget: {report['n_int4']} matrices fell back to int4 "
             "(quant.min_bits=4); the quantization gap will be larger than the int5/int6 recipe's")
-    log(f"quant: {report['n_int6']} int6 + {report['n_int5']} int5 + {report['n_int4']} int4 matrices, "
-        f"{len(report['observed'])} observed matrices, {len(report['tables'])} int{report['table_bits']} tables, "
-        f"{len(report['others'])} other tensors; artifact {report['artifact_bytes']} bytes "
-        f"(budget {report['budget_bytes']}, {report['codec']}, layout {report['layout']})")
+    widths = " + ".join(f"{report[f'n_int{b}']} int{b}" for b in (8, 6, 5, 4) if report[f"n_int{b}"])
+    tables = (f"int{report['table_bits']} tables" if report["scheme"] == "rank" else "tables")
+    log(f"quant: {widths} matrices, {len(report['observed'])} fixed-width observed matrices, "
+        f"{len(report['tables'])} {tables}, {len(report['others'])} other tensors; artifact {report['artifact_bytes']} "
+        f"bytes (budget {report['budget_bytes']}, {report['codec']}, layout {report['layout']})")

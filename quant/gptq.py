@@ -20,6 +20,8 @@ plain squared error otherwise (embedding tables).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from quant.pack import QuantizedTensor, qmax_for
@@ -28,6 +30,7 @@ CLIP_PERCENTILES = (0.999, 0.9995, 0.9999, 0.99999, 1.0)
 BLOCK_SIZE = 128
 DAMP_FRAC = 0.01
 FP16_MAX = 65504.0
+MAX_STACK = 1 << 28  # values of the candidate stack GPTQ sweeps at once (1 GiB in fp32)
 
 
 def candidate_scales(weight: torch.Tensor, bits: int, percentiles=CLIP_PERCENTILES) -> torch.Tensor:
@@ -50,18 +53,39 @@ def row_errors(delta: torch.Tensor, hessian: torch.Tensor | None) -> torch.Tenso
     return ((delta @ hessian) * delta).sum(dim=1)
 
 
-def _pick_rows(codes: torch.Tensor, scales: torch.Tensor, errors: torch.Tensor, bits: int):
-    """Choose per row the clip candidate with the lowest error. codes [P, rows, cols], scales/errors [P, rows]."""
+@dataclass(frozen=True)
+class ScaleSet:
+    """One candidate grid for a matrix: `scales` [P, rows] (fp32 values that fp16 holds exactly, all > 0) and the
+    width `bits` (codes clamp to ±qmax). With P > 1 each row keeps the option of least H-weighted error (a
+    clip search); P = 1 is one fixed scale per row (a step-size candidate)."""
+    scales: torch.Tensor
+    bits: int
+
+
+def _pick_rows(codes: torch.Tensor, scales: torch.Tensor, errors: torch.Tensor, bits: int,
+               ) -> tuple[QuantizedTensor, torch.Tensor]:
+    """Choose per row the option with the lowest error. codes [P, rows, cols], scales/errors [P, rows]; returns the
+    tensor and its per-row errors."""
     best = errors.argmin(dim=0)  # [rows]
     rows = torch.arange(codes.shape[1], device=codes.device)
-    chosen_codes = codes[best, rows]
-    chosen_scales = scales[best, rows]
-    qt = QuantizedTensor(
-        codes=chosen_codes.to(torch.int8).cpu().numpy(),
-        scales=chosen_scales.half().cpu().numpy(),
-        bits=bits,
-    )
-    return qt, float(errors[best, rows].sum())
+    qt = QuantizedTensor(codes=codes[best, rows].to(torch.int8).cpu().numpy(),
+                         scales=scales[best, rows].half().cpu().numpy(), bits=bits)
+    return qt, errors[best, rows]
+
+
+def rtn_scale_sets(weight: torch.Tensor, sets: list[ScaleSet], hessian: torch.Tensor | None = None,
+                   ) -> list[tuple[QuantizedTensor, torch.Tensor]]:
+    """Round-to-nearest on every candidate grid: (tensor, per-row error) each, the error H-weighted when `hessian`
+    is given, plain squared otherwise."""
+    w = _check_weight(weight)
+    h = None if hessian is None else _check_hessian(hessian, w).to(w.device)
+    out = []
+    for s in sets:
+        qmax, scales = qmax_for(s.bits), s.scales.to(w.device)
+        codes = torch.clamp(torch.round(w.unsqueeze(0) / scales.unsqueeze(-1)), -qmax, qmax)
+        errors = torch.stack([row_errors(c * sc[:, None] - w, h) for c, sc in zip(codes, scales)])
+        out.append(_pick_rows(codes, scales, errors, s.bits))
+    return out
 
 
 def rtn_quantize(weight: torch.Tensor, bits: int, hessian: torch.Tensor | None = None,
@@ -69,45 +93,57 @@ def rtn_quantize(weight: torch.Tensor, bits: int, hessian: torch.Tensor | None =
     """Round-to-nearest with per-row clip search. Returns the tensor and its total error
     (H-weighted if `hessian` is given, plain squared error otherwise)."""
     w = _check_weight(weight)
-    qmax = qmax_for(bits)
-    scales = candidate_scales(w, bits, percentiles)  # [P, rows]
-    codes = torch.clamp(torch.round(w.unsqueeze(0) / scales.unsqueeze(-1)), -qmax, qmax)
-    h = None if hessian is None else _check_hessian(hessian, w).to(w.device)
-    errors = torch.stack([row_errors(c * s[:, None] - w, h) for c, s in zip(codes, scales)])
-    return _pick_rows(codes, scales, errors, bits)
+    qt, errors = rtn_scale_sets(w, [ScaleSet(candidate_scales(w, bits, percentiles), bits)], hessian)[0]
+    return qt, float(errors.sum())
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits_list=(5, 6),
                   percentiles=CLIP_PERCENTILES, block_size: int = BLOCK_SIZE,
                   damp_frac: float = DAMP_FRAC, act_order: bool = True) -> dict[int, tuple[QuantizedTensor, float]]:
-    """GPTQ of `weight` [rows, cols] for every width in `bits_list` in one pass.
+    """GPTQ of `weight` [rows, cols] for every width in `bits_list` in one pass, each with its clip search.
 
     Returns {bits: (QuantizedTensor, H-weighted error Σ_r Δw_r H Δw_rᵀ)}; the computation runs on the
     device of `hessian`.
+    """
+    w = _check_weight(weight)
+    sets = [ScaleSet(candidate_scales(w, bits, percentiles), bits) for bits in bits_list]
+    results = gptq_scale_sets(w, hessian, sets, block_size, damp_frac, act_order)
+    return {s.bits: (qt, float(err.sum())) for s, (qt, err) in zip(sets, results)}
+
+
+def gptq_scale_sets(weight: torch.Tensor, hessian: torch.Tensor, sets: list[ScaleSet], block_size: int = BLOCK_SIZE,
+                    damp_frac: float = DAMP_FRAC, act_order: bool = True, max_elements: int = MAX_STACK,
+                    ) -> list[tuple[QuantizedTensor, torch.Tensor]]:
+    """GPTQ of `weight` [rows, cols] on every candidate grid: (tensor, per-row H-weighted error) each, in order.
+
+    GPTQ treats rows independently, so every (grid, option) runs in one column sweep stacked along the rows, in
+    groups of at most `max_elements` values (the stack of 59 grids of a 8192-row table is 2 GB in fp32).
+    The computation runs on the device of `hessian`.
     """
     h_true = _check_hessian(hessian, weight)
     w = _check_weight(weight).to(h_true.device)
     rows, cols = w.shape
     perm = torch.argsort(torch.diagonal(h_true), descending=True) if act_order else torch.arange(cols, device=w.device)
     upper = _inverse_hessian_factor(h_true[perm][:, perm], damp_frac)
-
-    # Stack (width, clip) candidates along rows: [sum over widths of P * rows, cols].
-    scale_list, qmax_list = [], []
-    for bits in bits_list:
-        s = candidate_scales(w, bits, percentiles)
-        scale_list.append(s.reshape(-1))
-        qmax_list.append(torch.full_like(s.reshape(-1), float(qmax_for(bits))))
-    scales, qmax = torch.cat(scale_list), torch.cat(qmax_list)
-    n_cand = scales.numel() // rows
-    work = w[:, perm].repeat(n_cand, 1)
-    codes = _gptq_columns(work, upper, scales, qmax, block_size)[:, torch.argsort(perm)]
-
-    results, n_p = {}, len(percentiles)
-    for i, bits in enumerate(bits_list):
-        c = codes[i * n_p * rows:(i + 1) * n_p * rows].view(n_p, rows, cols)
-        s = scales[i * n_p * rows:(i + 1) * n_p * rows].view(n_p, rows)
-        errors = torch.stack([row_errors(cc * ss[:, None] - w, h_true) for cc, ss in zip(c, s)])
-        results[bits] = _pick_rows(c, s, errors, bits)
+    inverse = torch.argsort(perm)
+    results, group, stacked = [], [], 0
+    for i, s in enumerate(sets):
+        group.append(s)
+        stacked += s.scales.shape[0] * rows * cols
+        if i + 1 == len(sets) or stacked + sets[i + 1].scales.shape[0] * rows * cols > max_elements:
+            scales = torch.cat([g.scales.to(w.device).reshape(-1) for g in group])
+            qmax = torch.cat([torch.full((g.scales.numel(),), float(qmax_for(g.bits)), device=w.device)
+                              for g in group])
+            codes = _gptq_columns(w[:, perm].repeat(scales.numel() // rows, 1), upper, scales, qmax, block_size)
+            codes, start = codes[:, inverse], 0
+            for g in group:
+                n = g.scales.shape[0]
+                c = codes[start * rows:(start + n) * rows].view(n, rows, cols).float()
+                sc = g.scales.to(w.device)
+                errors = torch.stack([row_errors(cc * ss[:, None] - w, h_true) for cc, ss in zip(c, sc)])
+                results.append(_pick_rows(c, sc, errors, g.bits))
+                start += n
+            group, stacked = [], 0
     return results
 
 
@@ -115,7 +151,7 @@ def _gptq_columns(work: torch.Tensor, upper: torch.Tensor, scales: torch.Tensor,
                   block_size: int) -> torch.Tensor:
     """The GPTQ sweep over columns (in place on `work`); returns float codes [rows, cols]."""
     rows, cols = work.shape
-    codes = torch.zeros_like(work)
+    codes = torch.zeros(work.shape, dtype=torch.int8, device=work.device)  # |codes| <= 127
     for i1 in range(0, cols, block_size):
         i2 = min(i1 + block_size, cols)
         block = work[:, i1:i2].clone()

@@ -23,6 +23,18 @@ LAYOUTS = ("byte", "dense", "bitplane")
 WIDTHS = (4, 5, 6, 8)
 
 
+GRID_FAMILIES = ("", "std", "weighted", "percentile")
+MAX_STEP = 64.0  # a step of 64 row units leaves every code of a row at 0 or ±1: no grid is coarser
+
+
+def check_grid(family, step) -> None:
+    """A grid's description as the artifact records it; ValueError naming what is wrong."""
+    if family not in GRID_FAMILIES:
+        raise ValueError(f"grid family {family!r}: expected one of {GRID_FAMILIES}")
+    if type(step) not in (int, float) or not 0 <= step <= MAX_STEP:  # NaN fails the comparison
+        raise ValueError(f"grid step {step!r}: expected a number in [0, {MAX_STEP:g}]")
+
+
 def qmax_for(bits: int) -> int:
     if bits not in WIDTHS:
         raise ValueError(f"bit width {bits} is not supported; expected one of {WIDTHS}")
@@ -34,6 +46,8 @@ class QuantizedTensor:
     codes: np.ndarray   # int8 [rows, cols], values in [-qmax, qmax]
     scales: np.ndarray  # float16 [rows]
     bits: int
+    family: str = ""    # how the scales were chosen (quant/steps.py), recorded in the artifact for inspection
+    step: float = 0.0   # the step of that family (scale / row base); 0 for a clip search
 
     def __post_init__(self) -> None:
         qmax = qmax_for(self.bits)
@@ -43,6 +57,7 @@ class QuantizedTensor:
             raise ValueError(f"scales must be float16 [{self.codes.shape[0]}], got {self.scales.dtype} {self.scales.shape}")
         if self.codes.size and int(np.abs(self.codes.astype(np.int16)).max()) > qmax:
             raise ValueError(f"codes exceed the int{self.bits} range [-{qmax}, {qmax}]")
+        check_grid(self.family, self.step)
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -93,14 +93,24 @@ def check_variants(config: str, common: list[str], variants) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    out = ["| variant | method, allocator, error weight | artifact bytes | total bytes | int6 / int5 / int4 | phi bits "
+    out = ["| variant | method, scheme, error weight | artifact bytes | total bytes | Linears int8/6/5/4 "
            "| val_bpb | gap | export s |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['variant']} | {r['method']}, {r['allocator']}, {r['error_weight']} | "
+        out.append(f"| {r['variant']} | {r['method']}, {r['scheme']}, {r['error_weight']} | "
                    f"{r['artifact_bytes']:,} | {r['total_bytes']:,} | "
-                   f"{r['n_int6']} / {r['n_int5']} / {r['n_int4']} | {r['phi_bits']} | {r['val_bpb']:.6f} | "
+                   f"{r['n_int8']} / {r['n_int6']} / {r['n_int5']} / {r['n_int4']} | {r['val_bpb']:.6f} | "
                    f"{r['gap']:+.6f} | {r['export_seconds']:.1f} |")
+    return "\n".join(out)
+
+
+def format_kinds(rows: list[dict]) -> str:
+    """Bits per parameter and summed error per tensor kind and variant (the schemes that report tensors)."""
+    out = ["| variant | kind | tensors | parameters | bytes | bits/param | error |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for kind, k in r.get("kinds", {}).items():
+            out.append(f"| {r['variant']} | {kind} | {k['tensors']} | {k['params']:,} | {k['bytes']:,} | "
+                       f"{k['bits_per_param']:.3f} | {k['error']:.4e} |")
     return "\n".join(out)
 
 
@@ -111,6 +121,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--checkpoint", required=True, type=Path, help="a step_NNNNNNNN folder of train.py's checkpointer")
     p.add_argument("--variant", action="append", required=True, metavar='NAME="OVERRIDES"',
                    help="a named set of quant.key=value overrides (repeat for each variant)")
+    p.add_argument("--equal-bytes", metavar="NAME", default=None,
+                   help="export variant NAME first, then every other variant at its artifact's size "
+                        "(quant.budget_bytes): a comparison at equal bytes")
+    p.add_argument("--verbose", action="store_true", help="print each export's log (every tensor's grid, the probes)")
     p.add_argument("--keep", type=Path, default=None, help="keep the artifacts here as NAME.mhcg (default: discard)")
     p.add_argument("--out", default=None, help="write the table as JSON here (atomically)")
     args = p.parse_args(argv)
@@ -126,6 +140,10 @@ def main(argv=None) -> int:
     args, common = parse_args(sys.argv[1:] if argv is None else list(argv))
     variants = [parse_variant(text) for text in args.variant]
     configs = check_variants(args.config, common, variants)
+    if args.equal_bytes is not None:
+        if args.equal_bytes not in configs:
+            raise SystemExit(f"--equal-bytes {args.equal_bytes}: no such variant (the variants: {list(configs)})")
+        variants.sort(key=lambda v: v.name != args.equal_bytes)  # the reference first
     cfg = load_config(args.config, common)
     try:  # as train.py checks them: calibration reads no validation shard, BPB counts the decoded bytes
         train_files, val_files = list_shards(cfg.data.train_files), list_shards(cfg.data.val_files)
@@ -149,22 +167,28 @@ def main(argv=None) -> int:
         out_dir = args.keep or Path(tmp)
         for v in variants:
             vcfg = configs[v.name]
+            if args.equal_bytes is not None and v.name != args.equal_bytes:
+                vcfg.quant.budget_bytes = rows[0]["artifact_bytes"]
             artifact = out_dir / f"{v.name}.mhcg"
             t0 = time.perf_counter()
             report = export_model(vcfg, model, train_files=train_files, rank=0, world_size=1,
-                                  log=lambda line: None, artifact_path=artifact, tokenizer_sha256=sha, device=device,
+                                  log=print if args.verbose else (lambda line: None), artifact_path=artifact, tokenizer_sha256=sha, device=device,
                                   train_time_s=train_time_s)
             seconds = time.perf_counter() - t0
             if "export_error" in report:
                 raise SystemExit(f"variant {v.name}: {report['export_error']}")
             scored = evaluate_artifact(artifact, val_tokens, lut, vcfg.eval, device=device, tokenizer_sha256=sha)
-            rows.append({"variant": v.name, "overrides": v.overrides, "phi_bits": vcfg.quant.phi_bits,
+            rows.append({"variant": v.name, "overrides": v.overrides,
                          # what the export did (its report), not what the variant asked for
-                         **{k: report[k] for k in ("method", "allocator", "error_weight", "n_int6", "n_int5", "n_int4")},
+                         **{k: report[k] for k in ("method", "scheme", "error_weight", "n_int8", "n_int6", "n_int5",
+                                                   "n_int4", "budget_bytes")},
+                         **({"kinds": report["kinds"]} if "kinds" in report else {}),
                          **{k: scored[k] for k in ("artifact_bytes", "total_bytes", "fits_cap", "val_bpb", "val_loss")},
                          "gap": scored["val_bpb"] - pre["val_bpb"], "export_seconds": seconds})
             print(f"{v.name}: {rows[-1]['total_bytes']:,} B, val_bpb {rows[-1]['val_bpb']:.6f}", flush=True)
     print("\n" + format_table(rows))
+    if any("kinds" in r for r in rows):
+        print("\n" + format_kinds(rows))
     if args.out:
         write_atomic(args.out, (json.dumps({"config": args.config, "checkpoint": str(args.checkpoint),
                                             "weights": source, "common": common, "float_val_bpb": pre["val_bpb"],

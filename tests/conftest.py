@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_SEEDS = (7, 8)
 
 
-TINY_BUDGET = 38_300  # bytes for the tiny model's artifact: all-int6 takes ~39.1k, so some matrices go to int5
+TINY_BUDGET = 30_000  # bytes for the tiny model's artifact: the finest grids take ~35.4k, so the allocation coarsens
 
 
 def tiny_run_overrides(data: Path, tmp: Path) -> list[str]:

@@ -22,24 +22,41 @@ def test_variants_share_the_weights_and_differ_in_what_they_ship(checkpoint, tmp
     ckpt, overrides = checkpoint
     out = tmp_path / "bq.json"
     code = bench_quant.main(["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(ckpt),
-                             "--variant", "phi8=quant.phi_bits=8 quant.table_bits=6", "--variant", "phi4=quant.phi_bits=4 quant.method=rtn quant.allocator=lagrangian quant.error_weight=fisher",
+                             "--variant", "phi8=quant.scheme=rank quant.phi_bits=8 quant.table_bits=6 "
+                                          "quant.error_weight=output",
+                             "--variant", "rd=quant.method=rtn",
                              "--keep", str(tmp_path), "--out", str(out), "--", *overrides])
     assert code == 0
     result = json.loads(out.read_text())
     assert result["weights"] == "ema"
     rows = {r["variant"]: r for r in result["rows"]}
-    assert rows["phi8"]["phi_bits"] == 8 and rows["phi4"]["phi_bits"] == 4
     # the export's own report: a config key that did not reach export_artifact would show its default here
-    assert [rows["phi8"][k] for k in ("method", "allocator", "error_weight")] == ["gptq", "rank", "output"]
-    assert [rows["phi4"][k] for k in ("method", "allocator", "error_weight")] == ["rtn", "lagrangian", "fisher"]
-    assert rows["phi4"]["artifact_bytes"] < rows["phi8"]["artifact_bytes"]
+    assert [rows["phi8"][k] for k in ("method", "scheme", "error_weight")] == ["gptq", "rank", "output"]
+    assert [rows["rd"][k] for k in ("method", "scheme", "error_weight")] == ["rtn", "rd", "fisher"]
+    assert "kinds" not in rows["phi8"] and set(rows["rd"]["kinds"]) == {"linear", "phi", "table"}
     for r in rows.values():
         assert (tmp_path / f"{r['variant']}.mhcg").stat().st_size == r["artifact_bytes"]
         assert r["gap"] == pytest.approx(r["val_bpb"] - result["float_val_bpb"])
     _, stored = load_artifact(tmp_path / "phi8.mhcg", stored=True)
     assert stored["embed.weight"].bits == 6 and stored["mhc.0.phi"].bits == 8  # config keys reach the artifact
+    _, stored = load_artifact(tmp_path / "rd.mhcg", stored=True)
+    assert {stored[n].family for n in stored if n.endswith(".phi")} <= {"std", "weighted", "percentile"}
     table = capsys.readouterr().out
-    assert "| phi8 | gptq, rank, output |" in table and "| phi4 | rtn, lagrangian, fisher |" in table
+    assert "| phi8 | gptq, rank, output |" in table and "| rd | rtn, rd, fisher |" in table
+    assert "| rd | table | 1 | " in table
+
+
+def test_equal_bytes_gives_every_variant_the_reference_artifacts_size(checkpoint, tmp_path, capsys):
+    ckpt, overrides = checkpoint
+    out = tmp_path / "eq.json"
+    args = ["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(ckpt),
+            "--variant", "rd=quant.scheme=rd", "--variant", "rec=quant.scheme=sdclip"]
+    assert bench_quant.main([*args, "--equal-bytes", "rec", "--out", str(out), "--", *overrides]) == 0
+    rec, rd = json.loads(out.read_text())["rows"]  # the reference first, whatever the order given
+    assert rec["variant"] == "rec" and rd["budget_bytes"] == rec["artifact_bytes"] >= rd["artifact_bytes"]
+    assert rec["n_int6"] == rec["n_int5"] + rec["n_int6"] + rec["n_int4"] + rec["n_int8"]  # the records: all int6
+    with pytest.raises(SystemExit, match=r"--equal-bytes nope: no such variant \(the variants: \['rd', 'rec'\]\)"):
+        bench_quant.main([*args, "--equal-bytes", "nope", "--", *overrides])
 
 
 def test_only_quant_keys_may_vary_and_the_checkpoint_must_exist(checkpoint, tmp_path, capsys):
@@ -48,13 +65,13 @@ def test_only_quant_keys_may_vary_and_the_checkpoint_must_exist(checkpoint, tmp_
     with pytest.raises(SystemExit, match=r"variant wide: changes \[model\]"):
         bench_quant.main([*args, "--variant", "wide=model.d_model=64", "--", *overrides])
     with pytest.raises(SystemExit, match="quant.phi_bits=3"):
-        bench_quant.main([*args, "--variant", "bad=quant.phi_bits=3", "--", *overrides])
+        bench_quant.main([*args, "--variant", "bad=quant.scheme=rank quant.phi_bits=3", "--", *overrides])
     with pytest.raises(SystemExit) as exit_:  # refused first: the validation shards here do not even exist
         bench_quant.main(["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(tmp_path),
-                          "--variant", "a=quant.phi_bits=8", "--", *overrides, "data.val_files=/nowhere/*.bin"])
+                          "--variant", "a=quant.scheme=rank", "--", *overrides, "data.val_files=/nowhere/*.bin"])
     assert exit_.value.code == 2 and f"{tmp_path}: no rank0.pt (hint: pass a step_NNNNNNNN" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="do not fit the model"):
-        bench_quant.main([*args, "--variant", "a=quant.phi_bits=8", "--", *overrides, "model.d_model=64"])
+        bench_quant.main([*args, "--variant", "a=quant.scheme=rank", "--", *overrides, "model.d_model=64"])
 
 
 def test_calibration_never_reads_a_validation_shard(checkpoint, demo_dir, tmp_path):
@@ -63,4 +80,4 @@ def test_calibration_never_reads_a_validation_shard(checkpoint, demo_dir, tmp_pa
     ckpt, overrides = checkpoint
     with pytest.raises(SystemExit, match=r"bench_quant: .*fineweb_val_000000.bin is the validation shard"):
         bench_quant.main(["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(ckpt),
-                          "--variant", "a=quant.phi_bits=8", "--", *overrides, f"data.train_files={demo_dir}/*.bin"])
+                          "--variant", "a=quant.scheme=rank", "--", *overrides, f"data.train_files={demo_dir}/*.bin"])

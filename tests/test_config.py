@@ -34,7 +34,9 @@ def test_overrides_apply_after_the_file_with_types():
     ("quant.min_bits=3", "quant.min_bits=3: expected 4 or 5 (5: int5/int6 only"),
     ("quant.phi_bits=7", "quant.phi_bits=7: expected 4, 5, 6 or 8"),
     ("quant.table_bits=4", "quant.table_bits=4: expected 5, 6 or 8"),
-    ("quant.allocator=greedy", "quant.allocator='greedy': expected 'rank' or 'lagrangian'"),
+    ("quant.scheme=greedy", "quant.scheme='greedy': expected 'rd', 'rank' or 'sdclip'"),
+    ("quant.min_bits=4", "quant.min_bits=4 applies to quant.scheme=rank only, and the scheme is 'rd'"),
+    ("quant.table_bits=6 quant.scheme=sdclip", "quant.table_bits=6 applies to quant.scheme=rank only, and the scheme is 'sdclip'"),
     ("quant.error_weight=loss", "quant.error_weight='loss': expected 'output' or 'fisher'"),
     ("model.mhc_granularity=layer", "model.mhc_granularity='layer'"),
     ("model.mhc_blocks=12", "model.mhc_blocks=12 must be in [0, n_layers=11]"),
@@ -54,7 +56,7 @@ def test_overrides_apply_after_the_file_with_types():
 ])
 def test_bad_overrides_name_the_field(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(None, [override])
+        load_config(None, override.split())
 
 
 def test_bad_files_name_the_file(tmp_path):
@@ -133,7 +135,7 @@ def test_fractions_outside_their_range_are_refused(key, one_allowed):
 def test_model_sizes_out_of_range_are_refused(override, message):
     """model.n_layers=0 used to fail with an IndexError after training had started; n_heads=0 divided by zero."""
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(None, [override])
+        load_config(None, override.split())
 
 
 @pytest.mark.parametrize("override,message", [
@@ -143,7 +145,7 @@ def test_model_sizes_out_of_range_are_refused(override, message):
 ])
 def test_nan_and_degenerate_sizes_are_refused(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        load_config(None, [override])
+        load_config(None, override.split())
 
 
 def test_a_batch_that_does_not_divide_into_micro_batches_is_refused_when_the_config_loads():
@@ -221,4 +223,4 @@ def test_the_config_and_the_kernels_agree_on_the_stream_counts():
 ])
 def test_config_refusals_carry_a_hint(override, hint):
     with pytest.raises(ConfigError, match=re.escape(hint)):
-        load_config(None, [override])
+        load_config(None, override.split())

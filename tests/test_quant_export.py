@@ -31,12 +31,15 @@ class TinyGPT(nn.Module):
         self.mix = nn.Parameter(torch.randn(d, 8) * 0.1)  # a non-Linear 2-D parameter
         self.scale = nn.Parameter(torch.tensor(0.8125))
 
-    def forward(self, ids):
+    def forward(self, ids, targets=None):
         x = self.embed(ids)
         for block in self.blocks:
             x = block(x)
         x = x + (x @ self.mix).sum(-1, keepdim=True) * self.scale
-        return x @ self.embed.weight.T
+        logits = x @ self.embed.weight.T
+        if targets is None:
+            return logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,9 @@ def calib(n_batches: int = 3):
 
 
 def run_export(model, path, budget, **kw):
+    """The rank scheme on output errors unless told otherwise (tests/test_quant_rd.py covers the rd scheme)."""
     lines = []
+    kw = {"scheme": "rank", "error_weight": "output", **kw}
     report = export_artifact(model, calib(), str(path), META, budget, log=lines.append, **kw)
     return report, lines
 
@@ -90,7 +95,8 @@ def test_export_fits_budget_loads_back_and_logs_every_matrix(tmp_path, model, me
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # model untouched
 
     meta, tensors = load_artifact(path)
-    assert meta["model_config"] == META["model_config"] and meta["quant"] == {"method": method, "calib_tokens": 96}
+    assert meta["model_config"] == META["model_config"]
+    assert meta["quant"] == {"method": method, "scheme": "rank", "calib_tokens": 96}
     # int6 goes to the most sensitive matrices, and the log names every matrix with its bits.
     rows = report["matrices"]
     assert [r["rank"] for r in rows] == list(range(6))
@@ -99,7 +105,7 @@ def test_export_fits_budget_loads_back_and_logs_every_matrix(tmp_path, model, me
     for r in rows:
         assert any(r["name"] in line and f"int{r['bits']}" in line for line in lines)
     assert f"artifact {report['artifact_bytes']} bytes" in lines[-1]
-    for key in ("calib_s", "quant_s", "alloc_s", "save_verify_s"):
+    for key in ("calib_s", "quant_alloc_s", "save_verify_s"):
         assert report[key] >= 0
 
     # Treatment: tables int8 (per-row dequantized values), small tensors fp32/fp16 as documented.
@@ -167,19 +173,30 @@ def test_a_non_finite_tensor_is_named_before_anything_is_quantized(tmp_path, nam
     assert not (tmp_path / "x.art").exists()
 
 
-def test_a_quantizer_error_names_its_matrix(model):
-    from quant.export import quantize_matrices
+@pytest.mark.parametrize("scheme", ["rank", "rd"])
+def test_a_quantizer_error_names_its_matrix(model, scheme):
+    from quant.calibrate import Calibration
+    from quant.rd import ErrorModel
+    from quant.schemes import quantize_rank, quantize_rd
     plan = plan_tensors(model)
     hessians = {name: torch.eye(lin.in_features) for name, lin in plan.linears.items()}
+    weights = {name: lin.weight for name, lin in plan.linears.items()}
+
+    def quantize():
+        if scheme == "rank":
+            quantize_rank(weights, {}, {}, Calibration(hessians, 96), None, "gptq", 5, 6, 8, None, 10**7, None)
+        else:
+            quantize_rd(weights, dict.fromkeys(weights, "linear"), {n: ErrorModel(h) for n, h in hessians.items()},
+                        "gptq", None, 10**7, print)
     hessians["blocks.2.down.weight"] = torch.full_like(hessians["blocks.2.down.weight"], float("inf"))
     with pytest.raises(ValueError, match="^blocks.2.down.weight: Hessian holds NaN or Inf"):
-        quantize_matrices(plan, hessians, "gptq")
+        quantize()
     indefinite = torch.eye(32)
     indefinite[0, 1] = indefinite[1, 0] = 1000.0
     hessians["blocks.2.down.weight"] = torch.eye(96)
     hessians["blocks.0.up.weight"] = indefinite
     with pytest.raises(RuntimeError, match="^blocks.0.up.weight: GPTQ: Hessian .32x32. is not positive definite"):
-        quantize_matrices(plan, hessians, "gptq")
+        quantize()
 
 
 def test_export_refuses_tied_weights(tmp_path):

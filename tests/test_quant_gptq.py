@@ -101,9 +101,10 @@ def test_bad_inputs_are_refused():
         rtn_quantize(huge, 6)
     with pytest.raises(ValueError, match="past what an fp16 row scale can hold at int5"):
         gptq_quantize(huge, torch.eye(8), bits_list=(5,))
-    from quant.export import _table  # an embedding table's refusal names the table
+    from quant.schemes import naming  # an embedding table's refusal names the table
     with pytest.raises(ValueError, match=r"^embed.weight: a weight of magnitude 1e\+08 is past .* at int8"):
-        _table("embed.weight", torch.full((4, 8), 1e8), 8)
+        with naming("embed.weight"):
+            rtn_quantize(torch.full((4, 8), 1e8), 8)
 
 
 class TwoLinears(nn.Module):

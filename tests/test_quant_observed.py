@@ -38,14 +38,15 @@ def phi_names(model) -> list[str]:
 
 
 @pytest.mark.parametrize("granularity,blocks,units", [("sublayer", 0, 4), ("block", 0, 2), ("sublayer", 1, 2)])
-def test_model_reports_each_phi_input_once_per_forward(granularity, blocks, units):
+def test_model_reports_each_phi_input_and_the_head_input_once_per_forward(granularity, blocks, units):
     model = mhc_model(granularity, blocks)
     seen = []
     model.quant_observer = lambda name, x: seen.append((name, tuple(x.shape)))
     model(batches(1)[0])
     model.quant_observer = None
-    assert [name for name, _ in seen] == phi_names(model) and len(seen) == units
-    assert all(shape == (2, 16, 4 * 32) for _, shape in seen)
+    assert [name for name, _ in seen] == phi_names(model) + ["embed.weight"] and len(seen) == units + 1
+    assert all(shape == (2, 16, 4 * 32) for _, shape in seen[:-1])
+    assert seen[-1][1] == (2, 16, 32)  # the tied head's input: the final norm's output
     assert all(model.state_dict()[name].shape == (24, 128) for name in phi_names(model))  # [out, in] like a Linear
 
 
@@ -71,7 +72,7 @@ def test_artifact_ships_phi_at_the_chosen_width(tmp_path, bits):
     model = mhc_model()
     lines = []
     report = export_artifact(model, batches(), str(tmp_path / "a.mhcg"), META, 10**7, log=lines.append,
-                             observed_patterns=("mhc.*.phi",), observed_bits=bits)
+                             observed_patterns=("mhc.*.phi",), observed_bits=bits, scheme="rank")
     assert [row["name"] for row in report["observed"]] == phi_names(model)
     assert {row["bits"] for row in report["observed"]} == {bits}
     assert sum(f"fixed int{bits} mhc." in line for line in lines) == 4
@@ -86,7 +87,8 @@ def test_gptq_beats_round_to_nearest_on_phi(tmp_path):
     errors = {}
     for method in ("gptq", "rtn"):
         report = export_artifact(model, batches(), str(tmp_path / f"{method}.mhcg"), META, 10**7,
-                                 log=lambda _: None, method=method, observed_patterns=("mhc.*.phi",), observed_bits=4)
+                                 log=lambda _: None, method=method, observed_patterns=("mhc.*.phi",), observed_bits=4,
+                                 scheme="rank")
         errors[method] = sum(row["err"] for row in report["observed"])
     assert errors["gptq"] < 0.9 * errors["rtn"], errors
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from model.config import ModelConfig
-from quant.options import ALLOCATORS, CALIB_SOURCES, ERROR_WEIGHTS, METHODS, MIN_BITS, OBSERVED_BITS, TABLE_BITS, one_of
+from quant.options import CALIB_SOURCES, ERROR_WEIGHTS, METHODS, MIN_BITS, OBSERVED_BITS, SCHEMES, TABLE_BITS, \
+    one_of
 from quant.size import CAP_BYTES
 
 
@@ -88,11 +89,12 @@ class QuantConfig:
     margin_bytes: int = 20_000         # safety margin under the cap for the int5/int6 allocation
     budget_bytes: int = 0              # the artifact's budget; 0: cap_bytes - counted code - margin_bytes. A record's
                                        # config pins its runs' budget (its train_gpt.py counts less code than they did)
-    min_bits: int = 5                  # 4: if all-int5 is over the cap, demote the least sensitive matrices to int4
-    allocator: str = "rank"            # rank: int6 by sensitivity rank, as bytes allow | lagrangian: widths priced by bytes
-    error_weight: str = "output"       # what the allocator compares: output (layer output MSE) | fisher (× loss gradient²)
-    table_bits: int = 8                # embedding tables (token, bigram, value): round-to-nearest per row, 5, 6 or 8
-    phi_bits: int = 4                  # mHC phi: GPTQ width on its input's Hessian (4, 5, 6, 8); 4 measured best at a fixed cap
+    scheme: str = "rd"                 # rd: every tensor's step size by rate–distortion under the budget | rank: int5/int6
+                                       # by sensitivity rank | sdclip: the April-2026 records' fixed int6/int8 scheme
+    error_weight: str = "fisher"       # what the allocation compares: fisher (× loss gradient²) | output (output MSE)
+    min_bits: int = 5                  # scheme rank: 4 demotes the least sensitive matrices to int4 if all-int5 is over
+    table_bits: int = 8                # scheme rank: embedding tables round-to-nearest per row at 5, 6 or 8 bits
+    phi_bits: int = 4                  # scheme rank: mHC phi's GPTQ width (4, 5, 6, 8)
 
 
 @dataclass
@@ -289,13 +291,18 @@ def validate(cfg: Config) -> None:
     for key, value, allowed, what in (
             ("method", q.method, METHODS, ""),
             ("min_bits", q.min_bits, MIN_BITS, " (5: int5/int6 only; 4: int4 fallback when all-int5 is over the cap)"),
-            ("allocator", q.allocator, ALLOCATORS, ""),
+            ("scheme", q.scheme, SCHEMES, ""),
             ("error_weight", q.error_weight, ERROR_WEIGHTS, ""),
             ("table_bits", q.table_bits, TABLE_BITS, " (the width of the embedding tables)"),
             ("phi_bits", q.phi_bits, OBSERVED_BITS, " (the width of the mHC phi projections)"),
             ("calib_source", q.calib_source, CALIB_SOURCES, "")):
         if value not in allowed:
             raise ConfigError(f"quant.{key}={value!r}: expected {one_of(allowed)}{what}")
+    rank_only = [f"quant.{key}={getattr(q, key)}" for key in ("min_bits", "table_bits", "phi_bits")
+                 if getattr(q, key) != getattr(defaults.quant, key)]
+    if q.scheme != "rank" and rank_only:  # the other schemes choose every width themselves: the setting would do nothing
+        raise ConfigError(f"{', '.join(rank_only)} applies to quant.scheme=rank only, and the scheme is {q.scheme!r} "
+                          "(hint: drop it, or set quant.scheme=rank)")
     if q.cap_bytes > CAP_BYTES:  # the run is held to the challenge's cap whatever this says
         raise ConfigError(f"quant.cap_bytes={q.cap_bytes:,} is above the challenge's {CAP_BYTES:,}-byte cap (hint: "
                           "it can only be lowered, to export a smaller artifact)")

@@ -17,7 +17,7 @@ from data.loader import TokenLoader
 from model.layers import MLP
 from quant.calibrate import generate_calibration_tokens
 from quant.allocate import BudgetError
-from quant.export import export_artifact
+from quant.export import export_artifact, kind_summary
 from quant.size import code_bytes
 from training.config import EVAL_RECORDED, Config, ConfigError
 
@@ -42,7 +42,7 @@ def reference_mlps(model: torch.nn.Module):
 
 def observed_patterns(model) -> tuple[str, ...]:
     """The mHC projections phi ([n^2+2n, n*C] each, ~1.08M values at the record size): not nn.Linear
-    weights, so the model reports their inputs (GPT.quant_observer) and they are GPTQ'd at quant.phi_bits."""
+    weights, so the model reports their inputs (GPT.quant_observer) and they are GPTQ'd like matrices."""
     return ("mhc.*.phi",) if any(name.endswith(".phi") for name, _ in model.named_parameters()) else ()
 
 
@@ -118,7 +118,7 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
                 report = export_artifact(model, batches, str(artifact_path), meta, budget,
                                          method=cfg.quant.method, log=log, min_bits=cfg.quant.min_bits,
                                          observed_patterns=observed_patterns(model),
-                                         observed_bits=cfg.quant.phi_bits, allocator=cfg.quant.allocator,
+                                         observed_bits=cfg.quant.phi_bits, scheme=cfg.quant.scheme,
                                          codec=ARTIFACT_CODEC,
                                          error_weight=cfg.quant.error_weight, table_bits=cfg.quant.table_bits,
                                          autocast_dtype=torch.bfloat16 if device.type == "cuda" else None)
@@ -133,14 +133,16 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
             log(f"phase quantize+export {seconds:.1f} s (calibration data {t_calib_data:.1f} s; "
                 f"reserve {cfg.quant.calib_reserve_s} s)")
         if "export_error" not in report:  # a failed export has no calibration timing (its line would understate it)
-            calib_total = t_calib_data + report.get("calib_s", 0.0)
+            # the loss probes read training tokens too: calibration, inside the training budget
+            calib_total = t_calib_data + report.get("calib_s", 0.0) + report.get("probe_s", 0.0)
             within = calibration_within_budget(cfg, calib_total, train_time_s, log)
     if rank == 0 and "export_error" not in report:
         report = {"artifact_bytes": artifact_path.stat().st_size, "code_bytes": code,
                   "export_seconds": round(seconds, 2), "quant_method": cfg.quant.method,
                   "calib_source": cfg.quant.calib_source, "calib_total_s": round(calib_total, 2),
                   **({} if within is None else {"calib_within_budget": within}),
-                  **{k: v for k, v in report.items() if isinstance(v, (int, float, str))}}
+                  **{k: v for k, v in report.items() if isinstance(v, (int, float, str))},
+                  **({"kinds": kind_summary(report["tensors"])} if report["tensors"] else {})}
     if world_size > 1:  # every rank learns the outcome (and waits for the artifact file)
         holder = [report]
         torch.distributed.broadcast_object_list(holder, src=0)
