@@ -62,21 +62,34 @@ class ScaleSet:
     bits: int
 
 
-def _pick_rows(codes: torch.Tensor, scales: torch.Tensor, errors: torch.Tensor, bits: int,
-               ) -> tuple[QuantizedTensor, torch.Tensor]:
-    """Choose per row the option with the lowest error. codes [P, rows, cols], scales/errors [P, rows]; returns the
-    tensor and its per-row errors."""
+@dataclass
+class Rounded:
+    """A matrix quantized on one grid, still on the device it was computed on: int8 codes [rows, cols], fp16 scales
+    [rows], the width, and each row's error. `tensor()` is the QuantizedTensor that ships (on the host)."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+    bits: int
+    row_errors: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """codes × scale in fp32 on the device (the same products QuantizedTensor.dequantize computes)."""
+        return self.codes.float() * self.scales.float()[:, None]
+
+    def tensor(self, family: str = "", step: float = 0.0) -> QuantizedTensor:
+        return QuantizedTensor(self.codes.cpu().numpy(), self.scales.cpu().numpy(), self.bits, family, step)
+
+
+def _pick_rows(codes: torch.Tensor, scales: torch.Tensor, errors: torch.Tensor, bits: int) -> Rounded:
+    """Choose per row the option with the lowest error. codes [P, rows, cols], scales/errors [P, rows]."""
     best = errors.argmin(dim=0)  # [rows]
     rows = torch.arange(codes.shape[1], device=codes.device)
-    qt = QuantizedTensor(codes=codes[best, rows].to(torch.int8).cpu().numpy(),
-                         scales=scales[best, rows].half().cpu().numpy(), bits=bits)
-    return qt, errors[best, rows]
+    return Rounded(codes[best, rows].to(torch.int8), scales[best, rows].half(), bits, errors[best, rows])
 
 
 def rtn_scale_sets(weight: torch.Tensor, sets: list[ScaleSet], hessian: torch.Tensor | None = None,
-                   ) -> list[tuple[QuantizedTensor, torch.Tensor]]:
-    """Round-to-nearest on every candidate grid: (tensor, per-row error) each, the error H-weighted when `hessian`
-    is given, plain squared otherwise."""
+                   ) -> list[Rounded]:
+    """Round-to-nearest on every candidate grid, the per-row error H-weighted when `hessian` is given, plain
+    squared otherwise."""
     w = _check_weight(weight)
     h = None if hessian is None else _check_hessian(hessian, w).to(w.device)
     out = []
@@ -93,8 +106,8 @@ def rtn_quantize(weight: torch.Tensor, bits: int, hessian: torch.Tensor | None =
     """Round-to-nearest with per-row clip search. Returns the tensor and its total error
     (H-weighted if `hessian` is given, plain squared error otherwise)."""
     w = _check_weight(weight)
-    qt, errors = rtn_scale_sets(w, [ScaleSet(candidate_scales(w, bits, percentiles), bits)], hessian)[0]
-    return qt, float(errors.sum())
+    r = rtn_scale_sets(w, [ScaleSet(candidate_scales(w, bits, percentiles), bits)], hessian)[0]
+    return r.tensor(), float(r.row_errors.sum())
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits_list=(5, 6),
@@ -108,13 +121,13 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits_list=(5, 6),
     w = _check_weight(weight)
     sets = [ScaleSet(candidate_scales(w, bits, percentiles), bits) for bits in bits_list]
     results = gptq_scale_sets(w, hessian, sets, block_size, damp_frac, act_order)
-    return {s.bits: (qt, float(err.sum())) for s, (qt, err) in zip(sets, results)}
+    return {s.bits: (r.tensor(), float(r.row_errors.sum())) for s, r in zip(sets, results)}
 
 
 def gptq_scale_sets(weight: torch.Tensor, hessian: torch.Tensor, sets: list[ScaleSet], block_size: int = BLOCK_SIZE,
                     damp_frac: float = DAMP_FRAC, act_order: bool = True, max_elements: int = MAX_STACK,
-                    ) -> list[tuple[QuantizedTensor, torch.Tensor]]:
-    """GPTQ of `weight` [rows, cols] on every candidate grid: (tensor, per-row H-weighted error) each, in order.
+                    ) -> list[Rounded]:
+    """GPTQ of `weight` [rows, cols] on every candidate grid (per-row errors H-weighted), in order.
 
     GPTQ treats rows independently, so every (grid, option) runs in one column sweep stacked along the rows, in
     groups of at most `max_elements` values (the stack of 59 grids of a 8192-row table is 2 GB in fp32).

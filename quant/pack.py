@@ -23,7 +23,7 @@ LAYOUTS = ("byte", "dense", "bitplane")
 WIDTHS = (4, 5, 6, 8)
 
 
-GRID_FAMILIES = ("", "std", "weighted", "percentile")
+GRID_FAMILIES = ("", "std", "weighted")
 MAX_STEP = 64.0  # a step of 64 row units leaves every code of a row at 0 or ±1: no grid is coarser
 
 
@@ -47,7 +47,7 @@ class QuantizedTensor:
     scales: np.ndarray  # float16 [rows]
     bits: int
     family: str = ""    # how the scales were chosen (quant/steps.py), recorded in the artifact for inspection
-    step: float = 0.0   # the step of that family (scale / row base); 0 for a clip search
+    step: float = 0.0   # the step of that family (scale / row base); 0 for the rank scheme's clip search
 
     def __post_init__(self) -> None:
         qmax = qmax_for(self.bits)

@@ -1,7 +1,7 @@
 """Rate–distortion allocation: every quantized tensor's grid chosen for the least predicted loss under the budget.
 
 Each tensor (Linear weights, mHC phi, embedding tables) gets the candidates of quant/steps.py: two step-size
-families on a quarter-bit grid and the percentile clip search. For each candidate:
+families on a quarter-bit grid. For each candidate:
   * its error predicts the loss increase it causes: Σ_r w_r · Δw_r H Δw_rᵀ for a matrix (H its input Hessian,
     w_r the loss gradient² at output row r with error_weight="fisher", 1 with "output"), plus for a lookup table
     Σ L ⊙ Δw², L the loss gradient² at the lookup's output summed over the tokens that read each row ("fisher"), or
@@ -15,21 +15,22 @@ a built artifact fits with little left over. Every size reported is that of an a
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from quant.gptq import gptq_scale_sets, rtn_scale_sets
+from quant.gptq import Rounded, gptq_scale_sets, rtn_scale_sets
 from quant.knapsack import Infeasible, fill, pareto, solve
 from quant.pack import QuantizedTensor
 from quant.steps import STEP_GRID, Candidate, step_candidates
 
 PROBE_BITS = 3.0         # the grid each kind's loss probe quantizes at (bits a parameter, estimated)
 FACTOR_FLOOR = 0.01      # a kind's scale is at least this share of the largest (none becomes free)
-ROUNDS = 8               # artifacts built at most while meeting the budget
-SLACK_FRACTION = 2e-4    # a fitting artifact within this share of the budget ends the search (3.2 KB of 16 MB)
+ROUNDS = 6               # artifacts built at most while meeting the budget
+SLACK_FRACTION = 1e-3    # a fitting artifact within this share of the budget ends the search (16 KB of 16 MB: ~40K
+                         # parameters at 3.5 bits, below what a run's loss can tell)
 CHUNK_OVERHEAD = 16      # bytes a compressed chunk costs beyond its entropy (estimate only; measured after)
 
 
@@ -63,32 +64,40 @@ class ErrorModel:
 
 @dataclass
 class Option:
-    label: str              # e.g. "std@0.4", "weighted@0.2", "pct5"
-    value: QuantizedTensor
+    label: str              # e.g. "std@0.4", "weighted@0.2", "pct5", "rtn:std@0.4"
+    rounded: Rounded        # its codes and scales, on the device they were computed on
+    family: str
+    step: float
     error: float            # predicted loss increase (error-weight units)
     est_bytes: float        # entropy estimate of its compressed chunk
+    _value: QuantizedTensor | None = None
+
+    @property
+    def value(self) -> QuantizedTensor:
+        """The QuantizedTensor that ships (copied to the host once, when first asked for)."""
+        if self._value is None:
+            self._value = self.rounded.tensor(self.family, self.step)
+        return self._value
 
 
-def _entropy_bits(counts: np.ndarray) -> float:
+def _entropy_bits(counts: torch.Tensor) -> float:
     """Σ over the rows of `counts` [..., 256] of n·H(row), in bits."""
-    counts = counts.reshape(-1, counts.shape[-1]).astype(np.float64)
-    n = counts.sum(axis=1, keepdims=True)
-    p = np.divide(counts, n, out=np.zeros_like(counts), where=n > 0)
-    logs = np.log2(p, out=np.zeros_like(p), where=p > 0)
-    return float(-(counts * logs).sum())
+    counts = counts.reshape(-1, counts.shape[-1]).double()
+    p = counts / counts.sum(dim=1, keepdim=True).clamp_min(1)
+    return float(-(counts * torch.where(p > 0, p.log2(), torch.zeros_like(p))).sum())
 
 
-def estimated_bytes(qt: QuantizedTensor) -> float:
-    """The codes' order-0 entropy, halfway between that of the whole tensor and the sum of each row's (Brotli adapts
-    its codes to the data as it goes: on rows of unequal spread it lands between the two), plus fp16 scales unless
-    they are all equal. Within 6% of Brotli-11 on test matrices, which loses most to its prefix codes at the
-    coarsest steps; the allocation then corrects each tensor by what its chunk really took."""
-    codes = qt.codes.view(np.uint8)
-    rows = np.repeat(np.arange(codes.shape[0]), codes.shape[1]) * 256 + codes.reshape(-1)
-    per_row = np.bincount(rows, minlength=256 * codes.shape[0]).reshape(codes.shape[0], 256)
-    bits = 0.5 * (_entropy_bits(per_row.sum(axis=0)) + _entropy_bits(per_row))
-    scales = 0 if np.all(qt.scales == qt.scales[0]) else 2 * qt.scales.size
-    return bits / 8 + scales + CHUNK_OVERHEAD
+def estimated_bytes(codes: torch.Tensor, scales: torch.Tensor) -> float:
+    """The int8 codes' order-0 entropy, halfway between that of the whole tensor and the sum of each row's (Brotli
+    adapts its codes to the data as it goes: on rows of unequal spread it lands between the two), plus fp16 scales
+    unless they are all equal. Within 6% of Brotli-11 on test matrices, which loses most to its prefix codes at the
+    coarsest steps; the allocation then corrects each tensor by what its chunk really took. On codes' device."""
+    rows = codes.shape[0]
+    index = torch.arange(rows, device=codes.device).unsqueeze(1) * 256 + (codes.to(torch.int64) & 0xFF)
+    per_row = torch.bincount(index.reshape(-1), minlength=rows * 256).view(rows, 256)
+    bits = 0.5 * (_entropy_bits(per_row.sum(dim=0)) + _entropy_bits(per_row))
+    scale_bytes = 0 if bool((scales == scales[0]).all()) else 2 * rows
+    return bits / 8 + scale_bytes + CHUNK_OVERHEAD
 
 
 def tensor_options(weight: torch.Tensor, model: ErrorModel, method: str, steps=STEP_GRID) -> list[Option]:
@@ -119,16 +128,14 @@ def evaluate_candidates(weight: torch.Tensor, model: ErrorModel, method: str, ca
     else:
         results = rtn_scale_sets(w, grids, model.hessian)
     options = []
-    for cand, (qt, row_err) in zip(candidates, results):
+    for cand, r in zip(candidates, results):
         error = 0.0
         if model.hessian is not None:
-            rw = model.row_weight.to(row_err.device) if model.row_weight is not None else 1.0
-            error += float((row_err * rw).sum())
+            rw = model.row_weight.to(r.row_errors.device) if model.row_weight is not None else 1.0
+            error += float((r.row_errors * rw).sum())
         if model.lookup is not None:
-            delta = qt.dequantize().to(device) - w
-            error += float((model.lookup.to(device) * delta.square()).sum())
-        qt.family, qt.step = cand.family, cand.step
-        options.append(Option(cand.label, qt, error, estimated_bytes(qt)))
+            error += float((model.lookup.to(device) * (r.dequantize() - w).square()).sum())
+        options.append(Option(cand.label, r, cand.family, cand.step, error, estimated_bytes(r.codes, r.scales)))
     return options
 
 
@@ -140,7 +147,7 @@ def scale_errors(options: dict[str, list[Option]], groups: dict[str, str],
     measured = {}
     for group in sorted(set(groups.values())):
         names = [name for name in options if groups[name] == group]
-        picks = {name: min(options[name], key=lambda o: abs(8 * o.est_bytes / o.value.codes.size - PROBE_BITS))
+        picks = {name: min(options[name], key=lambda o: abs(8 * o.est_bytes / o.rounded.codes.numel() - PROBE_BITS))
                  for name in names}
         predicted = sum(o.error for o in picks.values())
         measured[group] = {"tensors": len(names), "predicted": predicted,
@@ -167,6 +174,7 @@ def allocate(options: dict[str, list[Option]], measure: Callable[[dict[str, Quan
     probes: list[dict] = []
     seen: set[tuple] = set()
     for round_ in range(ROUNDS):
+        t = time.perf_counter()
         priced = {n: [(o.error, o.est_bytes * ratio[n]) for o in opts] for n, opts in options.items()}
         try:
             choice = fill(priced, solve(priced, capacity), capacity)
@@ -184,7 +192,8 @@ def allocate(options: dict[str, list[Option]], measure: Callable[[dict[str, Quan
         error = sum(options[n][i].error for n, i in choice.items())
         probes.append({"round": round_, "capacity": round(capacity), "artifact_bytes": size,
                        "fits": size <= budget_bytes, "error": error})
-        log(f"quant: rd round {round_}: {size:,} bytes (budget {budget_bytes:,}), predicted error {error:.4e}")
+        log(f"quant: rd round {round_}: {size:,} bytes (budget {budget_bytes:,}), predicted error {error:.4e}, "
+            f"{time.perf_counter() - t:.1f}s")
         if size <= budget_bytes and (best is None or error < best[0]):
             best = (error, choice, size)
         overhead = size - sum(chunks.values())

@@ -15,6 +15,7 @@ row per tensor for the report.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -88,10 +89,13 @@ def quantize_rd(weights: dict[str, torch.Tensor], kinds: dict[str, str], models:
                 measure: Callable, budget_bytes: int, log: Callable[[str], None],
                 probe: Callable | None = None) -> Quantized:
     """probe(values) -> the loss increase with those values in place; None keeps the predicted errors unscaled."""
+    t = time.perf_counter()
     options = {}
     for name, weight in weights.items():
         with naming(name):
             options[name] = tensor_options(weight, models[name], method)
+    log(f"quant: {sum(map(len, options.values()))} candidates of {len(options)} tensors priced in "
+        f"{time.perf_counter() - t:.1f}s")
     scaled = scale_errors(options, probe_groups(kinds), probe) if probe is not None else {}
     for group, m in scaled.items():
         log(f"quant: probe {group}: {m['tensors']} tensors, loss +{m['loss_increase']:.4e} against "

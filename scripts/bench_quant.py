@@ -1,16 +1,18 @@
 """Re-quantize one trained checkpoint under several [quant] settings and score every artifact.
 
     python -m scripts.bench_quant --config configs/demo.toml --checkpoint runs/checkpoints/RUN/step_00000500 \\
-        --variant phi8="quant.phi_bits=8" --variant phi5="quant.phi_bits=5" -- [overrides for all]
+        --equal-bytes rec --variant rec="quant.scheme=sdclip" --variant rd="quant.scheme=rd" -- [overrides for all]
 
 Training is the expensive part; quantization choices are cheap to compare on the same weights. The
 script loads the checkpoint's weights (its EMA shadow when it has one: what train.py ships) into the
 model of --config, scores the float model once, and then for each variant exports the artifact
 exactly as train.py does (calibration on training tokens, GPTQ, allocation, Brotli, verified write),
 scores it from disk, and prints one table: artifact and total bytes, matrices per width, val_bpb
-after quantization and the gap to the float model. A variant may change only [quant] keys: the
-weights are fixed. Write a checkpoint at the end of a run with train.checkpoint_every=<max_steps>,
-or stop a run with SIGTERM.
+after quantization and the gap to the float model; and, for the schemes that report them, bits per
+parameter and predicted error per kind of tensor. --equal-bytes NAME gives every variant the byte
+budget that NAME's artifact took. A variant may change only [quant] keys: the weights are fixed.
+Write a checkpoint at the end of a run with train.checkpoint_every=<max_steps>, or stop a run with
+SIGTERM; an artifact (.mhcg) also serves, by its dequantized weights.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from data.files import write_atomic  # noqa: E402
+from quant.container import ArtifactError, load_artifact  # noqa: E402
 from data.loader import load_tokens  # noqa: E402
 from data.shards import ShardError, list_shards, require_disjoint  # noqa: E402
 from data.tokenizer import TokenizerError, build_byte_lut, file_sha256, load_sp  # noqa: E402
@@ -41,27 +44,39 @@ from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit  
 from training.export import export_model  # noqa: E402
 
 
-NO_WEIGHTS = ("{checkpoint}: no rank0.pt (hint: pass a step_NNNNNNNN folder written by train.py's checkpointer, e.g. "
-              "runs/checkpoints/RUN/step_00000500)")
+NO_WEIGHTS = ("{checkpoint}: no rank0.pt and not an artifact (hint: pass a step_NNNNNNNN folder written by train.py's "
+              "checkpointer, e.g. runs/checkpoints/RUN/step_00000500, or a .mhcg artifact)")
 
 
 def checkpoint_weights(checkpoint: Path) -> Path | None:
-    path = checkpoint / "rank0.pt"
+    """The file the weights come from: a checkpoint folder's rank0.pt, or an artifact (a .mhcg file)."""
+    path = checkpoint if checkpoint.suffix == ".mhcg" else checkpoint / "rank0.pt"
     return path if path.is_file() else None
 
 
-def load_weights(checkpoint: Path, model: torch.nn.Module) -> tuple[str, float]:
-    """Put the checkpoint's shipped weights into `model`; returns which ones ('ema' or 'model') and the seconds of
-    training the checkpoint records (the export checks calibration against the budget left after them)."""
-    path = checkpoint_weights(checkpoint)
-    if path is None:
-        raise SystemExit(NO_WEIGHTS.format(checkpoint=checkpoint))
-    state = torch.load(path, map_location="cpu", weights_only=True)
+def fit(model: torch.nn.Module, state: dict, path: Path) -> None:
     try:
-        model.load_state_dict(state["model"])
+        model.load_state_dict(state)
     except RuntimeError as e:
         raise SystemExit(f"{path}: the weights do not fit the model of --config ({str(e).splitlines()[0]}); "
                          "hint: pass the run's own config and model overrides") from None
+
+
+def load_weights(checkpoint: Path, model: torch.nn.Module) -> tuple[str, float]:
+    """Put the checkpoint's shipped weights into `model`; returns which ones ('ema', 'model', or 'artifact': an
+    artifact's dequantized weights, to re-quantize a shipped model or time the export) and the seconds of training
+    the checkpoint records (the export checks calibration against the budget left after them; 0 for an artifact)."""
+    path = checkpoint_weights(checkpoint)
+    if path is None:
+        raise SystemExit(NO_WEIGHTS.format(checkpoint=checkpoint))
+    if path.suffix == ".mhcg":
+        try:
+            fit(model, load_artifact(path)[1], path)
+        except ArtifactError as e:
+            raise SystemExit(str(e)) from None
+        return "artifact", 0.0
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    fit(model, state["model"], path)
     train_time_s = float(state.get("train_time_s", 0.0))
     if "ema" not in state:
         return "model", train_time_s
@@ -118,7 +133,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     argv, common = split_common(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
-    p.add_argument("--checkpoint", required=True, type=Path, help="a step_NNNNNNNN folder of train.py's checkpointer")
+    p.add_argument("--checkpoint", required=True, type=Path,
+                   help="a step_NNNNNNNN folder of train.py's checkpointer, or a .mhcg artifact (its dequantized weights)")
     p.add_argument("--variant", action="append", required=True, metavar='NAME="OVERRIDES"',
                    help="a named set of quant.key=value overrides (repeat for each variant)")
     p.add_argument("--equal-bytes", metavar="NAME", default=None,

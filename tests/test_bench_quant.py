@@ -40,7 +40,7 @@ def test_variants_share_the_weights_and_differ_in_what_they_ship(checkpoint, tmp
     _, stored = load_artifact(tmp_path / "phi8.mhcg", stored=True)
     assert stored["embed.weight"].bits == 6 and stored["mhc.0.phi"].bits == 8  # config keys reach the artifact
     _, stored = load_artifact(tmp_path / "rd.mhcg", stored=True)
-    assert {stored[n].family for n in stored if n.endswith(".phi")} <= {"std", "weighted", "percentile"}
+    assert {stored[n].family for n in stored if n.endswith(".phi")} <= {"std", "weighted"}
     table = capsys.readouterr().out
     assert "| phi8 | gptq, rank, output |" in table and "| rd | rtn, rd, fisher |" in table
     assert "| rd | table | 1 | " in table
@@ -69,7 +69,8 @@ def test_only_quant_keys_may_vary_and_the_checkpoint_must_exist(checkpoint, tmp_
     with pytest.raises(SystemExit) as exit_:  # refused first: the validation shards here do not even exist
         bench_quant.main(["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(tmp_path),
                           "--variant", "a=quant.scheme=rank", "--", *overrides, "data.val_files=/nowhere/*.bin"])
-    assert exit_.value.code == 2 and f"{tmp_path}: no rank0.pt (hint: pass a step_NNNNNNNN" in capsys.readouterr().err
+    assert exit_.value.code == 2 and f"{tmp_path}: no rank0.pt and not an artifact (hint: pass a step_NNNNNNNN" in \
+        capsys.readouterr().err
     with pytest.raises(SystemExit, match="do not fit the model"):
         bench_quant.main([*args, "--variant", "a=quant.scheme=rank", "--", *overrides, "model.d_model=64"])
 
@@ -81,3 +82,22 @@ def test_calibration_never_reads_a_validation_shard(checkpoint, demo_dir, tmp_pa
     with pytest.raises(SystemExit, match=r"bench_quant: .*fineweb_val_000000.bin is the validation shard"):
         bench_quant.main(["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(ckpt),
                           "--variant", "a=quant.scheme=rank", "--", *overrides, f"data.train_files={demo_dir}/*.bin"])
+
+
+def test_an_artifact_serves_as_the_weights(checkpoint, tmp_path):
+    """Re-quantizing a shipped artifact: its dequantized weights score what the artifact scored."""
+    ckpt, overrides = checkpoint
+    args = ["--config", str(REPO / "configs/demo.toml")]
+    assert bench_quant.main([*args, "--checkpoint", str(ckpt), "--variant", "rd=quant.scheme=rd", "--keep", str(tmp_path),
+                             "--out", str(tmp_path / "a.json"), "--", *overrides]) == 0
+    shipped = json.loads((tmp_path / "a.json").read_text())["rows"][0]
+    again = tmp_path / "again"
+    again.mkdir()
+    assert bench_quant.main([*args, "--checkpoint", str(tmp_path / "rd.mhcg"), "--variant", "rd=quant.scheme=rd",
+                             "--out", str(again / "b.json"), "--", *overrides]) == 0
+    result = json.loads((again / "b.json").read_text())
+    assert result["weights"] == "artifact" and result["float_val_bpb"] == pytest.approx(shipped["val_bpb"], abs=1e-9)
+    (tmp_path / "cut.mhcg").write_bytes((tmp_path / "rd.mhcg").read_bytes()[:-1])
+    with pytest.raises(SystemExit, match="cut.mhcg: truncated or padded"):
+        bench_quant.main([*args, "--checkpoint", str(tmp_path / "cut.mhcg"), "--variant", "rd=quant.scheme=rd",
+                          "--", *overrides])

@@ -24,7 +24,7 @@ def test_output_fisher_weights_every_linear_and_leaves_no_gradients():
     changed = []
     for name, lin in plan.linears.items():
         w = lin.weight.detach()
-        cands = step_candidates(w, steps=(0.3,), percentiles=False)[:1]
+        cands = step_candidates(w, steps=(0.3,))[:1]
         plain, unit, weighted = (evaluate_candidates(w, ErrorModel(hessians[name], rows), "gptq", cands)[0].error
                                  for rows in (None, torch.ones_like(fisher[name]), fisher[name]))
         assert unit == pytest.approx(plain, rel=1e-5)

@@ -11,6 +11,7 @@ import torch
 from quant.container import build_artifact, load_artifact, parse_artifact, ArtifactError
 from quant.export import export_artifact
 from quant.knapsack import Infeasible, fill, solve, total
+from quant.gptq import Rounded
 from quant.pack import QuantizedTensor, qmax_for
 from quant.rd import ErrorModel, Option, RDBudgetError, allocate, estimated_bytes, evaluate_candidates, scale_errors, \
     tensor_options
@@ -27,9 +28,11 @@ def test_every_grid_family_round_trips_bit_for_bit(tmp_path):
     w = weights()
     h = torch.eye(64) + 0.1
     cands = step_candidates(w, torch.rand(24), steps=(0.05, 0.4, 1.5))
-    assert {c.family for c in cands} == {"std", "weighted", "percentile"}
+    assert {c.family for c in cands} == {"std", "weighted"} and len(cands) == 6
     options = evaluate_candidates(w, ErrorModel(h), "gptq", cands)
     values = {f"t{i}": o.value for i, o in enumerate(options)}
+    for o in options:  # the device-side values are what ships
+        assert torch.equal(o.rounded.dequantize(), o.value.dequantize())
     data = build_artifact(META, values)
     _, stored = parse_artifact(data, "a", stored=True)
     _, loaded = parse_artifact(data, "a")
@@ -119,8 +122,8 @@ def fake_options(n=6, seed=0):
     for i in range(n):
         opts = []
         for b in (2.0, 3.0, 4.0, 5.0):
-            qt = QuantizedTensor(np.zeros((4, 4), np.int8), np.ones(4, np.float16), 5)
-            opts.append(Option(f"b{b}", qt, float(rng.uniform(1, 2) * 2 ** (-2 * b)), 1000 * b))
+            r = Rounded(torch.zeros(4, 4, dtype=torch.int8), torch.ones(4, dtype=torch.float16), 5, torch.zeros(4))
+            opts.append(Option(f"b{b}", r, "std", b, float(rng.uniform(1, 2) * 2 ** (-2 * b)), 1000 * b))
         out[f"t{i}"] = opts
     return out
 
@@ -171,8 +174,7 @@ def test_rd_export_ships_every_tensor_on_a_grid_within_a_tight_budget(tmp_path):
     _, stored = load_artifact(path, stored=True)
     for row in report["tensors"]:
         qt = stored[row["name"]]
-        grid = row["grid"].removeprefix("rtn:")
-        assert qt.bits == row["bits"] and grid.startswith(qt.family if qt.family != "percentile" else "pct")
+        assert qt.bits == row["bits"] and row["grid"].removeprefix("rtn:") == f"{qt.family}@{qt.step:g}"
     assert sum(row["bytes"] for row in report["tensors"]) < report["artifact_bytes"]
     assert any("quant: probe embed.weight" in line for line in lines) and "artifact" in lines[-1]
     bits = [row["bits_per_param"] for row in report["tensors"]]
@@ -221,16 +223,18 @@ def test_a_tied_table_is_gptqd_on_the_heads_hessian_and_ships_what_loses_least(t
     h, w = stats.hessians["embed.weight"], model.embed.weight.detach()
     both = ErrorModel(h, fisher.rows["embed.weight"], fisher.lookups["embed.weight"])
     base = mean_loss(model, held_out)
-    for cand in step_candidates(w, steps=(0.4, 0.8), percentiles=False):
+    for cand in step_candidates(w, steps=(0.4, 0.8)):
         head = {m: evaluate_candidates(w, ErrorModel(h), m, [cand])[0] for m in ("gptq", "rtn")}
         assert head["gptq"].error < 0.7 * head["rtn"].error  # the head's own output error
         priced = {m: evaluate_candidates(w, both, m, [cand])[0] for m in ("gptq", "rtn")}
         loss = {m: loss_with(model, held_out, {"embed.weight": o.value.dequantize()}) - base for m, o in priced.items()}
         chosen = min(priced, key=lambda m: priced[m].error)
         assert loss[chosen] <= loss["rtn"] + 1e-6, (cand.label, loss, {m: o.error for m, o in priced.items()})
-    tied = {o.label for o in tensor_options(w, both, "gptq", steps=(0.2, 0.4))}
-    assert any(label.startswith("rtn:") for label in tied) and any(label[:4] != "rtn:" for label in tied), tied
-    # both roundings offered; a matrix that is not looked up gets GPTQ
+    lookup = fisher.lookups["embed.weight"]
+    for scale, rtn_only in ((1e6, True), (1e-9, False)):  # the lookups' error dominating, or negligible
+        labels = [o.label for o in tensor_options(w, ErrorModel(h, None, lookup * scale), "gptq", steps=(0.2, 0.4))]
+        assert all(label.startswith("rtn:") for label in labels) == rtn_only, (scale, labels)
+    # a matrix that is not looked up gets GPTQ alone
     assert not any(o.label.startswith("rtn:") for o in tensor_options(w, ErrorModel(h), "gptq", steps=(0.2, 0.4)))
 
 
@@ -238,10 +242,12 @@ def test_entropy_estimates_land_near_brotli():
     import brotli
     from quant.pack import encode_codes, encode_scales
     w = weights(256, 512, seed=4)
-    for cand in step_candidates(w, steps=(0.1, 0.4, 1.2), percentiles=False):
-        qt = evaluate_candidates(w, ErrorModel(), "rtn", [cand])[0].value
+    for cand in step_candidates(w, steps=(0.1, 0.4, 1.2)):
+        o = evaluate_candidates(w, ErrorModel(), "rtn", [cand])[0]
+        qt = o.value
         real = len(brotli.compress(encode_codes(qt.codes, qt.bits, "byte") + encode_scales(qt.scales), quality=11))
-        assert abs(estimated_bytes(qt) / real - 1) < 0.06, (cand.label, estimated_bytes(qt), real)
+        assert o.est_bytes == estimated_bytes(o.rounded.codes, o.rounded.scales)
+        assert abs(o.est_bytes / real - 1) < 0.06, (cand.label, o.est_bytes, real)
 
 
 @pytest.mark.parametrize("step,message", [(1e300, "grid step 1e+300"), (-0.5, "grid step -0.5"),
