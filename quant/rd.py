@@ -30,7 +30,9 @@ PROBE_BITS = 3.0         # the grid each kind's loss probe quantizes at (bits a 
 FACTOR_FLOOR = 0.01      # a kind's scale is at least this share of the largest (none becomes free)
 ROUNDS = 6               # artifacts built at most while meeting the budget
 SLACK_FRACTION = 1e-3    # a fitting artifact within this share of the budget ends the search (16 KB of 16 MB: ~40K
-                         # parameters at 3.5 bits, below what a run's loss can tell)
+                         # parameters at 3.5 bits, below what a run's loss can tell) ...
+AIM_FRACTION = 5e-4      # ... and after the first build the choice aims this far below the budget, so that what
+                         # the rescaled estimates still miss lands inside that window rather than over it
 CHUNK_OVERHEAD = 16      # bytes a compressed chunk costs beyond its entropy (estimate only; measured after)
 
 
@@ -169,7 +171,7 @@ def allocate(options: dict[str, list[Option]], measure: Callable[[dict[str, Quan
     measure(values) builds the artifact of the chosen values and returns (its bytes, {name: its chunk's bytes}).
     """
     ratio = {name: 1.0 for name in options}
-    overhead, margin, capacity = 0.0, 0.0, float(budget_bytes)
+    overhead, capacity = 0.0, float(budget_bytes)
     best: tuple[float, dict, int] | None = None
     probes: list[dict] = []
     seen: set[tuple] = set()
@@ -188,6 +190,7 @@ def allocate(options: dict[str, list[Option]], measure: Callable[[dict[str, Quan
         if key in seen:  # the estimates have converged on a choice already built
             break
         seen.add(key)
+        predicted = overhead + sum(priced[n][i][1] for n, i in choice.items())
         size, chunks = measure({n: options[n][i].value for n, i in choice.items()})
         error = sum(options[n][i].error for n, i in choice.items())
         probes.append({"round": round_, "capacity": round(capacity), "artifact_bytes": size,
@@ -196,14 +199,15 @@ def allocate(options: dict[str, list[Option]], measure: Callable[[dict[str, Quan
             f"{time.perf_counter() - t:.1f}s")
         if size <= budget_bytes and (best is None or error < best[0]):
             best = (error, choice, size)
+        if size <= budget_bytes and budget_bytes - size <= SLACK_FRACTION * budget_bytes:
+            break
         overhead = size - sum(chunks.values())
         for n, i in choice.items():
             ratio[n] = chunks[n] / options[n][i].est_bytes
-        if size <= budget_bytes and budget_bytes - size <= SLACK_FRACTION * budget_bytes:
-            break
-        if round_ and size > budget_bytes:  # an overshoot the rescaled estimates missed is kept back from now on
-            margin += size - budget_bytes
-        capacity = budget_bytes - overhead - margin
+        # The next choice's estimates are exact for the options this one built and rescaled for the rest; aim as far
+        # below the budget as the rescaled estimates missed by this time (at least AIM_FRACTION of it).
+        miss = size - predicted if round_ else 0.0
+        capacity = budget_bytes - overhead - max(AIM_FRACTION * budget_bytes, miss)
     if best is None:
         raise RDBudgetError(f"no artifact built in {ROUNDS} rounds fits the budget of {budget_bytes:,} bytes "
                             f"(the last: {probes[-1]['artifact_bytes']:,}); hint: raise quant.margin_bytes")

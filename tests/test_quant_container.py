@@ -15,6 +15,7 @@ import torch.nn as nn
 from quant.container import (FORMAT_VERSION, MAGIC, ArtifactError, build_artifact, dequantize_state, load_artifact,
                              save_artifact)
 from quant.gptq import rtn_quantize
+from quant.pack import QuantizedTensor
 
 META = {"model_config": {"vocab": 40, "d": 16}, "tokenizer_sha256": "4f" * 32, "note": "ünïcode ok"}
 
@@ -169,7 +170,7 @@ def artifact_of(tensors: list[tuple[dict, bytes]], codec: str = "brotli", header
     """An artifact assembled by hand from (entry, chunk) pairs, with a valid sha256: what a forger can write."""
     entries, payload = [], b""
     for entry, chunk in tensors:
-        entries.append({**entry, "offset": len(payload), "nbytes": len(chunk)})
+        entries.append({"pieces": [len(chunk)], **entry, "offset": len(payload), "nbytes": len(chunk)})
         payload += chunk
     header = lzma.compress(header_text if header_text is not None else
                            json.dumps({"codec": codec, "meta": META, "tensors": entries}).encode())
@@ -272,3 +273,24 @@ def test_loading_code_has_no_unpickling_path():
         assert not imported & {"pickle", "marshal", "shelve", "dill", "joblib"}, name
         calls = {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
         assert not calls & {"torch.load", "np.load", "eval", "exec", "pickle.loads"}, name
+
+
+def test_a_large_tensor_is_stored_in_pieces_that_load_back_and_a_forged_piece_list_is_refused(tmp_path):
+    """Chunks are compressed in 1 MiB pieces (in parallel): a tensor past one piece spans several."""
+    from quant.container import PIECE_BYTES, parse_artifact
+    rng = np.random.default_rng(0)
+    codes = rng.integers(-31, 32, size=(1100, 1024)).astype(np.int8)
+    big = QuantizedTensor(codes, np.full(1100, 0.01, np.float16), 6)
+    data = build_artifact(META, {"big": big, "small": np.ones(3, np.float32)})
+    _, stored = parse_artifact(data, "a", stored=True)
+    assert np.array_equal(stored["big"].codes, codes) and stored["small"].tolist() == [1, 1, 1]
+    header = json.loads(lzma.decompress(data[24:24 + struct.unpack_from("<I", data, 12)[0]]))
+    pieces = {e["name"]: e["pieces"] for e in header["tensors"]}
+    assert len(pieces["big"]) == 2 == -(-(codes.size + 2 * 1100) // PIECE_BYTES) and len(pieces["small"]) == 1
+    import brotli
+    gain = {"name": "gain", "kind": "array", "shape": [32], "dtype": "float32", "raw_nbytes": 128}
+    chunk = brotli.compress(b"\0" * 128)
+    for forged in ([len(chunk), 0], [len(chunk) + 1], [-1], "all"):
+        (tmp_path / "f").write_bytes(artifact_of([({**gain, "pieces": forged}, chunk)]))
+        with pytest.raises(ArtifactError, match="tensor 'gain': pieces must list the compressed size of each"):
+            load_artifact(tmp_path / "f")
