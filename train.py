@@ -27,12 +27,13 @@ import torch.distributed
 from data.loader import TokenLoader, load_tokens
 from data.shards import (ShardError, list_shards, require_disjoint, require_token_ids, require_tokenizer,
                          sample_digest)
-from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256, load_sp
+from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256, load_sp, require_round_trip
 from model.gpt import GPT
 from quant.container import ArtifactError, CodecUnavailable, require_codec
 from scripts.evaluate import evaluate_artifact
-from training.checkpoint import (CheckpointError, Checkpointer, Resumed, checkpoint_step, keep_trained_state,
-                                 load_checkpoint, refuse_later_checkpoints, resolve_resume)
+from training.checkpoint import (CheckpointError, Checkpointer, Resumed, checkpoint_step, clear_finished,
+                                 keep_trained_state, load_checkpoint, mark_finished, refuse_later_checkpoints,
+                                 resolve_resume)
 from training.config import Config, ConfigError, load_config, to_dict
 from training.distributed import (RankAgreement, RankFailed, destroy, fail_together, init_distributed,
                                   require_same_on_every_rank)
@@ -123,6 +124,17 @@ def main(argv=None, default_config: str | None = None) -> dict:
     except Exception as e:
         failure = e
     fail_together(failure, "to open the run log")
+    try:
+        return start_run(cfg, dist, log, val, train_files, reused, path, t_setup)
+    except INPUT_ERRORS as e:  # refused before training: the log says so, and its readers drop these lines
+        log.refused(e)
+        raise
+
+
+def start_run(cfg: Config, dist, log, val: Validation, train_files: list[str], reused: bool, path: Path,
+              t_setup: float) -> dict:
+    """The run's header in its log, the model, optimizers and loader; then training and shipping."""
+    device, run_id = dist.device, cfg.train.run_id
     if reused:  # said at the top of the new run's lines, and on the terminal
         log(f"WARNING {path} already holds a run of train.run_id={run_id}: this run is "
             "appended to it and replaces its artifact (scripts.runlog reads the newest run; export_record refuses "
@@ -168,6 +180,7 @@ def find_checkpoint(cfg: Config, dist, ckpt_dir: Path) -> tuple[Checkpointer, Pa
         if dist.rank == 0:
             chosen = resolve_resume(cfg.train.resume, ckpt_dir)
             refuse_later_checkpoints(ckpt_dir, checkpoint_step(chosen) if chosen is not None else 0)
+            clear_finished(ckpt_dir)  # this run trains (or scores) again
     except Exception as e:
         failure = e
     fail_together(failure, f"to find the checkpoint to resume from in {ckpt_dir}")
@@ -192,13 +205,14 @@ def load_validation(cfg: Config, train_files: list[str], rank: int) -> Validatio
     val_files = list_shards(cfg.data.val_files)
     require_disjoint(train_files, val_files)
     val_tokens = load_tokens(val_files, cfg.eval.max_tokens)
-    require_token_ids(val_tokens, cfg.model.vocab_size, cfg.data.val_files, "the model's")
     lut = build_byte_lut(cfg.data.tokenizer)  # a missing or unusable tokenizer is named here
-    tokenizer_sha256 = file_sha256(cfg.data.tokenizer)
-    require_tokenizer(train_files + val_files, tokenizer_sha256, cfg.data.tokenizer)
-    if len(lut.base_bytes) != cfg.model.vocab_size:
+    if len(lut.base_bytes) != cfg.model.vocab_size:  # before the ids: the fix is the vocab size, not the shards
         raise ConfigError(f"{cfg.data.tokenizer} has {len(lut.base_bytes)} ids but model.vocab_size="
                           f"{cfg.model.vocab_size} (hint: set model.vocab_size={len(lut.base_bytes)})")
+    require_token_ids(val_tokens, cfg.model.vocab_size, cfg.data.val_files, "the model's")
+    tokenizer_sha256 = file_sha256(cfg.data.tokenizer)
+    if not require_tokenizer(train_files + val_files, tokenizer_sha256, cfg.data.tokenizer):
+        require_round_trip(val_tokens, load_sp(cfg.data.tokenizer), cfg.data.val_files, cfg.data.tokenizer)
     audited = None
     if rank == 0:  # BPB's denominator must be the decoded text's UTF-8 length, exactly
         audited = require_byte_audit(val_tokens, load_sp(cfg.data.tokenizer), lut, cfg.data.val_files,
@@ -224,6 +238,7 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
     # collectives of the warm-up step
     clock = RankAgreement(dist.world_size)(start.train_time_s, False)[0]
     trained = start.step >= cfg.train.max_steps or (budget and clock >= budget)
+    log.started = True
     if trained:  # a checkpoint of a finished training (a stop signal came while it was scored): no step to run
         log(f"the checkpoint's training is finished (step {start.step}, {start.train_time_s:.1f} s): scoring it")
     elif cfg.train.compile:
@@ -254,12 +269,10 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
                 f"train.resume=latest train.run_id={run_id} scores it without training further")
             destroy()
             raise SystemExit(143) from None
+        if dist.rank == 0:  # train.resume=latest now says the run finished, instead of training again
+            mark_finished(ckpt_dir, final, REPO / cfg.train.out_dir / f"{run_id}.mhcg")
         if made and dist.rank == 0:  # kept only while the run was scored (train.checkpoint_every=0)
             shutil.rmtree(kept, ignore_errors=True)
-            try:  # and the run's folder, if that was all it held (the artifact has shipped: no failure now)
-                kept.parent.rmdir()
-            except OSError:
-                pass
         return final
     finally:
         checkpointer.restore_signal_handlers()

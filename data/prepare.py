@@ -270,11 +270,12 @@ def prepare(inputs: list[str], tokenizer: str, out_dir: str | os.PathLike, *, va
     docs = iter_texts(inputs)
     val = list(itertools.islice(docs, val_docs))
     first_train = next(docs, None)  # at least one document must be left to train on
+    if first_train is None and not val:
+        raise ValueError(f"the inputs ({', '.join(map(str, inputs))}) hold no documents (hint: empty and "
+                         "whitespace-only lines or texts are skipped; check --input)")
     if first_train is None and val_docs:
         raise ValueError(f"--val-docs {val_docs} but the inputs hold only {len(val)} documents, none left to train "
                          "(hint: a smaller --val-docs, or separate validation text with --val-input FILE)")
-    if first_train is None:
-        raise ValueError("the inputs hold no documents (hint: check --input)")
     docs = itertools.chain([first_train], docs)
     splits = {"val": val, "train": docs} if val_docs else {"train": docs}
     return prepare_splits(splits, tokenizer, out_dir, **kwargs)

@@ -128,19 +128,25 @@ def require_downloaded(marker: str, folder: str, name_pattern: str) -> None:
                          f"would read part of the set (hint: run `{command}` again: it resumes)")
 
 
-def require_tokenizer(files: list[str], tokenizer_sha256: str, tokenizer: str) -> None:
+def require_tokenizer(files: list[str], tokenizer_sha256: str, tokenizer: str) -> bool:
     """Shards whose folder holds a manifest.json (data.prepare's, data.demo's) naming another tokenizer are refused:
-    their ids would be decoded, and their bytes counted, by the wrong one, and the byte audit cannot see it."""
+    their ids would be decoded, and their bytes counted, by the wrong one, and the byte audit cannot see it.
+    Returns whether a manifest names this tokenizer for every folder (where not, data.tokenizer.require_round_trip
+    checks the ids against the tokenizer instead)."""
+    vouched = True
     for folder in sorted({os.path.dirname(f) for f in files}):
         try:
             with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as f:
                 recorded = json.load(f).get("tokenizer_sha256")
         except (OSError, ValueError, AttributeError):  # none, or not a manifest of ours
+            vouched = False
             continue
+        vouched = vouched and recorded == tokenizer_sha256
         if recorded and recorded != tokenizer_sha256:
             raise ShardError(f"{folder or '.'}: its manifest.json says these shards were made with another tokenizer "
                              f"(sha256 {str(recorded)[:12]}…) than {tokenizer} ({tokenizer_sha256[:12]}…) (hint: "
                              "the tokenizer the folder was prepared with, usually the one inside it)")
+    return vouched
 
 
 SAMPLE_BYTES = 1 << 16

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quant.allocate import BudgetError
 from quant.gptq import Rounded, gptq_scale_sets, rtn_scale_sets
 from quant.knapsack import Infeasible, fill, pareto, solve
 from quant.pack import QuantizedTensor
@@ -36,8 +37,8 @@ AIM_FRACTION = 5e-4      # ... and after the first build the choice aims this fa
 CHUNK_OVERHEAD = 16      # bytes a compressed chunk costs beyond its entropy (estimate only; measured after)
 
 
-class RDBudgetError(ValueError):
-    """Even the coarsest grid of every tensor is over the byte budget."""
+class RDBudgetError(BudgetError):
+    """Even the coarsest grid of every tensor is over the byte budget (train.py reports it as a failed export)."""
 
 
 @dataclass

@@ -15,14 +15,20 @@ width column "mix"), re-encoded in each layout: the codec comparison for what ac
 
 Rows: each compressor on the whole payload (brotli-11, lzma-9e, zstd-22), and "brotli-chunks": the real
 artifact (quant.container.build_artifact: one brotli-11 chunk per tensor, header and hash included).
+Other ways to cut the payload into brotli-11 streams, payload only (no header): "brotli-roles", one stream per
+role (embedding tables, attention qkv, attention out, MLP up, MLP down, mHC phi, the rest); "brotli-tensors",
+one stream per tensor; "brotli-plainscales", the same with the fp16 scales not byte-shuffled;
+"brotli-sortedrows", the same with each matrix's rows sorted by scale (the permutation counted, as int16).
 """
 from __future__ import annotations
 
 import argparse
 import fnmatch
 import lzma
+import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -32,9 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quant.container import ArtifactError, build_artifact, encode_tensor, load_artifact  # noqa: E402
 from quant.gptq import rtn_quantize  # noqa: E402
-from quant.pack import LAYOUTS  # noqa: E402
+from quant.pack import LAYOUTS, QuantizedTensor, encode_codes  # noqa: E402
 
-COMPRESSORS = ("brotli", "lzma", "zstd", "brotli-chunks")
+COMPRESSORS = ("brotli", "lzma", "zstd", "brotli-chunks", "brotli-roles", "brotli-tensors", "brotli-plainscales",
+               "brotli-sortedrows")
+ROLES = (("tables", ("embed", "bigram", "value_embed")), ("qkv", (".qkv.",)), ("attn-out", (".proj.",)),
+         ("mlp-up", (".up.",)), ("mlp-down", (".down.",)), ("phi", (".phi",)))
 BENCH_META = {"model_config": {"bench": True}, "tokenizer_sha256": "0" * 64}
 
 
@@ -96,6 +105,31 @@ def compress_whole(payload: bytes, compressor: str) -> bytes:
     raise ValueError(f"unknown compressor {compressor!r}")
 
 
+def role(name: str) -> str:
+    return next((r for r, keys in ROLES if any(k in name for k in keys)), "other")
+
+
+def tensor_raw(name: str, value, layout: str, compressor: str) -> bytes:
+    """A tensor's bytes as the stream variants store them (see the module doc)."""
+    if compressor == "brotli-plainscales" and hasattr(value, "codes"):
+        return encode_codes(value.codes, value.bits, layout) + value.scales.astype("<f2").tobytes()
+    if compressor == "brotli-sortedrows" and hasattr(value, "codes"):
+        order = np.argsort(value.scales.astype(np.float32), kind="stable")
+        moved = QuantizedTensor(value.codes[order], value.scales[order], value.bits)
+        return encode_tensor(name, moved, layout)[1] + order.astype("<u2").tobytes()
+    return encode_tensor(name, value, layout)[1]
+
+
+def compress_streams(quantized: dict, layout: str, compressor: str, threads: int) -> int:
+    """Bytes of the payload cut into brotli-11 streams: one per role, or one per tensor."""
+    groups: dict[str, list[bytes]] = {}
+    for name, value in quantized.items():
+        key = role(name) if compressor == "brotli-roles" else name
+        groups.setdefault(key, []).append(tensor_raw(name, value, layout, compressor))
+    with ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1) as pool:
+        return sum(pool.map(lambda parts: len(compress_whole(b"".join(parts), "brotli")), groups.values()))
+
+
 def bench_rows(quantized: dict, width: int, layouts: list[str], compressors: list[str], threads: int) -> list[dict]:
     n_matrix = sum(v.codes.size for v in quantized.values() if hasattr(v, "codes") and v.bits != 8)
     n_params = sum(v.codes.size if hasattr(v, "codes") else v.size for v in quantized.values())
@@ -106,6 +140,8 @@ def bench_rows(quantized: dict, width: int, layouts: list[str], compressors: lis
             t = time.perf_counter()
             if compressor == "brotli-chunks":
                 size = len(build_artifact(BENCH_META, quantized, "brotli", layout, threads=threads))
+            elif compressor.startswith("brotli-"):
+                size = compress_streams(quantized, layout, compressor, threads)
             else:
                 size = len(compress_whole(payload, compressor))
             rows.append({"width": width, "layout": layout, "compressor": compressor, "raw": len(payload),
@@ -115,14 +151,14 @@ def bench_rows(quantized: dict, width: int, layouts: list[str], compressors: lis
     return rows
 
 
-TABLE_HEADER = (f"{'width':>5} {'layout':<9} {'compressor':<14} {'raw bytes':>12} {'compressed':>12} {'ratio':>6} "
+TABLE_HEADER = (f"{'width':>5} {'layout':<9} {'compressor':<18} {'raw bytes':>12} {'compressed':>12} {'ratio':>6} "
                 f"{'bits/param':>10} {'seconds':>8}")
 
 
 def format_row(r: dict) -> str:
     """bits/param: compressed bits over all parameters (scales and small tensors included)."""
     width = r["width"] if isinstance(r["width"], str) else f"int{r['width']}"
-    return (f"{width:>5} {r['layout']:<9} {r['compressor']:<14} {r['raw']:>12,} {r['bytes']:>12,} "
+    return (f"{width:>5} {r['layout']:<9} {r['compressor']:<18} {r['raw']:>12,} {r['bytes']:>12,} "
             f"{r['bytes'] / r['raw']:>6.3f} {8 * r['bytes'] / max(1, r['params']):>10.3f} {r['seconds']:>8.2f}")
 
 
@@ -141,7 +177,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="synthetic: random seed")
     p.add_argument("--widths", default="5,6", help="matrix bit widths to try, comma-separated (5, 6)")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"code layouts, comma-separated {LAYOUTS}")
-    p.add_argument("--compressors", default=",".join(COMPRESSORS), help=f"comma-separated {COMPRESSORS}")
+    p.add_argument("--compressors", default="brotli,lzma,zstd,brotli-chunks", help=f"comma-separated {COMPRESSORS}")
     p.add_argument("--table-patterns", default="*embed*", help="fnmatch patterns of 2-D tensors stored int8")
     p.add_argument("--threads", type=int, default=0, help="brotli-chunks compression threads (0: one per CPU)")
     args = p.parse_args(argv)

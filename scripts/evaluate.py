@@ -25,7 +25,7 @@ if str(REPO) not in sys.path:  # `python scripts/evaluate.py` as well as `python
 
 from data.loader import load_tokens  # noqa: E402
 from data.shards import ShardError, list_shards, require_token_ids, require_tokenizer  # noqa: E402
-from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256, load_sp  # noqa: E402
+from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256, load_sp, require_round_trip  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.gpt import GPT  # noqa: E402
 from quant.container import ArtifactError, CodecUnavailable, check_meta, load_artifact  # noqa: E402
@@ -207,11 +207,13 @@ def score(a: argparse.Namespace, p: argparse.ArgumentParser, device: torch.devic
         p.error(f"{e} (hint: from --context/--stride/--max-tokens/--batch-seqs, else recorded in {a.artifact})")
     sha = file_sha256(a.tokenizer)
     require_same_tokenizer(Path(a.artifact), meta, sha)
-    require_tokenizer(shards, sha, a.tokenizer)
+    vouched = require_tokenizer(shards, sha, a.tokenizer)
     tokens = load_tokens(shards, eval_cfg.max_tokens)
     lut = build_byte_lut(sp)
     require_token_ids(tokens, min(len(lut.base_bytes), model.cfg.vocab_size), pattern,
                       f"the tokenizer's ({a.tokenizer}) and the artifact model's")
+    if not vouched:  # no manifest says which tokenizer made the shards: do the ids round-trip through this one?
+        require_round_trip(tokens, sp, pattern, a.tokenizer)
     require_byte_audit(tokens, sp, lut, pattern, a.tokenizer)  # BPB's denominator, as train.py checks it
     result = score_model(Path(a.artifact), model, meta, tokens, lut, eval_cfg, device=device,
                          tokenizer_sha256=sha, progress=lambda line: print(line, file=sys.stderr),

@@ -6,5 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -r requirements.txt
+if [ -z "${OMP_NUM_THREADS:-}" ]; then  # the cores free now: a busy core slows every thread that waits for it
+    OMP_NUM_THREADS=$(python3 -c "from training.distributed import free_cpu_threads; print(free_cpu_threads())")
+    export OMP_NUM_THREADS
+    echo "run_demo.sh: OMP_NUM_THREADS=$OMP_NUM_THREADS (the cores free on this machine now; set it to choose)"
+fi
 [ -f runs/demo/data/manifest.json ] || python3 -m data.demo --out runs/demo/data
 python3 train.py --config configs/demo.toml "$@"

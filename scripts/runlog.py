@@ -6,12 +6,15 @@ training.run_log.RunLog.record / .final, plus the header lines `run …`, `versi
 `config {json}`. Everything else (phase timings, quantization notes) is for people and is skipped.
 
 A resumed run appends to the same file, so step numbers can go back: the records from the resumed
-step on replace the ones the interrupted process had written, leaving one trajectory. A run that is not
+step on replace the ones the interrupted process had written, leaving one trajectory. A start that train.py
+refused before it trained (a resume with other settings, a rerun over kept checkpoints) ends its lines with
+`refused {json}`: everything from its `run …` header on is dropped, as if it had written nothing. A run that is not
 a resume (train.resume empty) but reuses a run_id also appends: its `config` line starts the data afresh,
 so nothing of the earlier run is read as its own, and `fresh_runs` counts such runs.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -24,7 +27,7 @@ from pathlib import Path
 
 HEADER = re.compile(r"^run (?P<run_id>\S+)\s+commit (?P<commit>\S+)(?:\s+code (?P<code>[0-9a-f]+))?"
                     r"\s+world_size (?P<world_size>\d+)\s+device (?P<device>\S+)")  # `code`: since session 19
-JSON_KINDS = ("step", "eval", "final", "config", "versions")
+JSON_KINDS = ("step", "eval", "final", "config", "versions", "refused")
 
 
 class LogFormatError(ValueError):
@@ -46,6 +49,7 @@ class RunLogData:
     stage_evals: dict[str, dict] = field(default_factory=dict)  # end-of-run evals by stage
     final: dict | None = None
     fresh_runs: int = 0                          # `config` lines of runs that did not resume (see the module doc)
+    refusals: list[str] = field(default_factory=list)  # the reasons of the refused starts the log holds
 
     @property
     def code(self) -> str | None:
@@ -148,10 +152,19 @@ def _apply_line(log: RunLogData, line: str, where: str) -> None:
 
 def parse_lines(lines, source: str) -> RunLogData:
     log = RunLogData(source=source)
+    before = copy.deepcopy(log)  # the data as it was before the segment being read (from its `run …` header on)
     for number, line in enumerate(lines, start=1):
         line = line.rstrip("\n")
-        if line:
-            _apply_line(log, line, f"{source}:{number}")
+        if not line:
+            continue
+        where = f"{source}:{number}"
+        if HEADER.match(line):
+            before = copy.deepcopy(log)
+        elif line.startswith("refused {"):  # a refused start: its segment is dropped
+            reason = _decode(line.partition(" ")[2], "refused", where).get("reason")
+            log, log.refusals = copy.deepcopy(before), before.refusals + [str(reason)]
+            continue
+        _apply_line(log, line, where)
     return log
 
 

@@ -294,12 +294,13 @@ def in_process(corpus, tmp_path, run_id, *extra) -> list[str]:
 @pytest.fixture(scope="module")
 def straight_record(corpus, tmp_path_factory) -> dict:
     """The record of a run that no signal stopped (checkpoint_every does not change it). With checkpoint_every=0
-    the trained state is checkpointed while the run is scored, and removed once it is."""
+    the trained state is checkpointed while the run is scored, and removed once it is; the run's folder then holds
+    only the record that it finished."""
     import train
     root = tmp_path_factory.mktemp("straight")
     record = train.main(in_process(corpus, root, "straight"))
     assert "the trained state, kept while the run is scored" in (root / "logs/straight.txt").read_text()
-    assert not (root / "runs/checkpoints/straight").exists()  # nor the run's folder
+    assert [p.name for p in (root / "runs/checkpoints/straight").iterdir()] == ["finished.json"]
     return record
 
 
@@ -376,6 +377,8 @@ def test_a_resume_with_settings_of_another_trajectory_is_refused_in_one_line(cor
     from training.checkpoint import CheckpointError
     base = in_process(corpus, tmp_path, "traj", "train.checkpoint_every=5", "eval.pre_quant=false")
     train.main(base)
+    # its step-14 checkpoint as a run stopped while it was scored leaves it (a finished run refuses any resume)
+    (tmp_path / "runs/checkpoints/traj/finished.json").unlink()
     for override, says in (("model.n_layers=3", "model.n_layers: checkpoint 2, this run 3"),
                            ("train.schedule=time", "train.schedule: checkpoint 'steps', this run 'time'"),
                            ("train.seed=5", "train.seed: checkpoint 1337, this run 5")):
@@ -442,3 +445,45 @@ def test_the_first_signal_with_stderr_gone_still_stops_the_run(tmp_path):
     proc.send_signal(signal.SIGINT)
     assert proc.stdout.readline().strip() == "stopping cleanly"
     assert proc.wait(timeout=30) == 0
+
+
+def test_refused_starts_leave_the_log_whole_and_a_finished_run_says_it_finished(corpus, tmp_path, monkeypatch):
+    """A run stopped at step 3, two starts refused under its run_id (a resume with another optim.matrix_lr, a
+    rerun without resume over its checkpoint), then its resume to the end: each refused start had appended a `run`
+    header and config, and the log read back only the steps after the resume (or none). And the resume command
+    repeated after the run finished trained again from the step-3 checkpoint and rewrote the artifact."""
+    import train
+    from scripts import plot
+    from scripts.runlog import parse_log
+    from training import trainer
+    from training.checkpoint import CheckpointError
+    real, calls = trainer.train_step, []
+
+    def stop_after_three(*a, **k):
+        loss = real(*a, **k)
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+    monkeypatch.setattr(trainer, "train_step", stop_after_three)
+    with pytest.raises(SystemExit) as stopped:
+        train.main(in_process(corpus, tmp_path, "cut"))
+    assert stopped.value.code == 143
+    monkeypatch.setattr(trainer, "train_step", real)
+    with pytest.raises(CheckpointError, match="optim.matrix_lr: checkpoint 0.025, this run 0.1"):
+        train.main(in_process(corpus, tmp_path, "cut", "train.resume=latest", "optim.matrix_lr=0.1"))
+    with pytest.raises(FileExistsError, match="checkpoint.s. past step 0"):
+        train.main(in_process(corpus, tmp_path, "cut"))
+    record = train.main(in_process(corpus, tmp_path, "cut", "train.resume=latest"))
+    log_file = tmp_path / "logs/cut.txt"
+    log = parse_log(log_file)
+    assert [s["step"] for s in log.steps] == list(range(1, 15)) and log.final == record
+    assert len(log.refusals) == 2 and log.fresh_runs == 1 and "optim" in log.refusals[0]
+    artifact = tmp_path / f"runs/{record['run_id']}.mhcg"
+    written = artifact.stat().st_mtime_ns
+    with pytest.raises(CheckpointError, match=r"run cut has finished \(step 14, val_bpb .*; nothing to resume "
+                                              r"\(hint: score it again with python -m scripts.evaluate --artifact"):
+        train.main(in_process(corpus, tmp_path, "cut", "train.resume=latest"))
+    again = parse_log(log_file)
+    assert again.final == record and len(again.refusals) == 3 and artifact.stat().st_mtime_ns == written
+    assert plot.main([str(log_file), "--out", str(tmp_path / "plots")])  # the whole trajectory plots

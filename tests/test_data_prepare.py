@@ -178,8 +178,11 @@ def test_validation_text_never_reaches_the_training_split(demo_text, tmp_path):
         prepare([str(d / "val.jsonl")], model, tmp_path / "only_val", val_inputs=[str(d / "docs.txt")], workers=1)
     assert not list((tmp_path / "only_val").glob("fineweb_*"))
     (tmp_path / "empty.txt").write_text("")
-    with pytest.raises(ValueError, match=r"^the inputs hold no documents \(hint"):
+    with pytest.raises(ValueError, match=r"^the inputs \(.*empty.txt\) hold no documents \(hint"):
         prepare([str(tmp_path / "empty.txt")], model, tmp_path / "none", workers=1)
+    # with a validation split asked for, the message was "a smaller --val-docs": the inputs are what is wrong
+    with pytest.raises(ValueError, match=r"^the inputs \(.*empty.txt\) hold no documents \(hint: empty and"):
+        prepare([str(tmp_path / "empty.txt")], model, tmp_path / "none", val_docs=1, workers=1)
 
 
 def test_a_swap_interrupted_between_two_renames_is_refused_by_the_loaders(demo_text, tmp_path, monkeypatch):

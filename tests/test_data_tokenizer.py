@@ -230,3 +230,32 @@ def test_tokenizer_cli_threads_and_sentence_length(tmp_path, monkeypatch, capsys
         tok.main(["--input", str(tmp_path / "c.txt"), "--vocab-size", "300", "--out", str(tmp_path / "u"),
                   "--num-threads", "0"])
     assert "--num-threads must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_an_input_without_documents_is_named_not_sentencepieces_internal_check(tmp_path):
+    """An empty (or whitespace-only) input printed SentencePiece's own `[!sentences_.empty()]`."""
+    from data.tokenizer import TokenizerError
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    with pytest.raises(TokenizerError, match=r"the inputs \(.*empty.txt\) hold no documents; nothing was written"):
+        train_tokenizer([str(tmp_path / "empty.txt")], 300, str(tmp_path / "tok"), num_threads=1)
+    assert not list(tmp_path.glob("tok.*"))
+
+
+def test_shards_that_do_not_round_trip_through_the_tokenizer_are_refused(tmp_path):
+    """Without a manifest nothing said which tokenizer made the shards: another of the same size decoded and counted
+    them, and the byte audit agreed with itself. Decoding and encoding again tells them apart."""
+    import numpy as np
+
+    from data.tokenizer import TokenizerError, require_round_trip
+    lines = corpus_lines(2000, seed=1)
+    (tmp_path / "a.txt").write_text("\n".join(lines[:1000]) + "\n")
+    (tmp_path / "b.txt").write_text("\n".join(line.upper() for line in lines[1000:]) + "\n")
+    mine = spm.SentencePieceProcessor(model_file=train_tokenizer([str(tmp_path / "a.txt")], 300,
+                                                                 str(tmp_path / "mine"), num_threads=1))
+    other = spm.SentencePieceProcessor(model_file=train_tokenizer([str(tmp_path / "b.txt")], 300,
+                                                                  str(tmp_path / "other"), num_threads=1))
+    tokens = np.concatenate([np.array([1, *mine.encode(line)], dtype=np.uint16) for line in lines[:80]])
+    require_round_trip(tokens, mine, "val/*.bin", "mine.model")  # its own shards pass
+    with pytest.raises(TokenizerError, match=r"val/\*.bin: decoded with other.model and encoded again, \d+ of the "
+                                             r"first 64 documents come back as other ids"):
+        require_round_trip(tokens, other, "val/*.bin", "other.model")

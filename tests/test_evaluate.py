@@ -335,3 +335,25 @@ def test_an_artifact_asking_for_kernels_its_shape_cannot_take_is_scored_by_the_r
     assert not model.cfg.mhc_kernels
     x = torch.randint(0, 64, (2, 16), device="cuda")
     assert torch.isfinite(model.token_nll(x[:, :-1], x[:, 1:])).all()
+
+
+def test_shards_of_another_tokenizer_without_a_manifest_are_refused(tiny_seed_runs, demo_dir, tmp_path):
+    """Shards with no manifest.json beside them were scored with whatever --tokenizer was given: ids of another
+    tokenizer of the same size (here: the demo's ids under a permuted vocabulary) were decoded and their bytes
+    counted by the wrong one, with no error."""
+    from data.loader import load_tokens
+    from data.shards import list_shards, write_shard
+    from scripts import evaluate
+    artifact = tiny_seed_runs.root / "runs" / f"tiny-run-s{TINY_SEEDS[0]}.mhcg"
+    tokens = load_tokens(list_shards(str(demo_dir / "fineweb_val_*.bin")))
+    ids = np.arange(512)
+    ids[4:] = np.random.default_rng(0).permutation(ids[4:])  # control ids (BOS = 1) stay
+    for name, shard in (("same", tokens), ("other", ids[tokens])):
+        (tmp_path / name).mkdir()
+        write_shard(tmp_path / name / "fineweb_val_000000.bin", shard.astype(np.uint16))
+    args = ["--artifact", str(artifact), "--tokenizer", str(demo_dir / "tokenizer.model"), "--device", "cpu",
+            "--max-tokens", "4000"]
+    evaluate.main([*args, "--val", str(tmp_path / "same")])  # the right ids pass without a manifest
+    with pytest.raises(SystemExit, match=r"scripts.evaluate: .*fineweb_val_\*.bin: decoded with .*tokenizer.model and "
+                                         r"encoded again, \d+ of the first \d+ documents come back as other ids"):
+        evaluate.main([*args, "--val", str(tmp_path / "other")])

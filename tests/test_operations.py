@@ -151,3 +151,48 @@ def test_wandb_is_optional_and_receives_step_metrics(tmp_path, monkeypatch):
     log.final({"val_bpb": 1.2, "run_id": "x"})
     assert run.logged == [(3, {"step/step": 3, "step/loss": 1.5, "step/tok_s": 100})]
     assert run.summary == {"val_bpb": 1.2, "run_id": "x"} and run.finished
+
+
+def test_a_step_that_would_end_past_the_time_budget_is_not_started(tmp_path, monkeypatch):
+    """The budget was checked before each step only: a run whose steps take 0.3 s stopped at 1.2 s of a 1.0 s
+    budget (the demo ran 9 s past its own on a loaded machine). At the mean step time so far, a step that would
+    end past the budget is not started. The clock here is fake: each step takes exactly 0.3 s."""
+    from training import trainer
+    cfg = load_config(None, ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
+                             "model.vocab_size=64", "data.seq_len=16", "train.batch_tokens=64",
+                             "train.micro_batch_seqs=4", "train.max_steps=50", "train.log_every=100",
+                             "train.time_budget_s=1.0", "train.schedule=time"])
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    clock = [100.0]
+
+    class FakeTime:
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+    def three_tenths(*args, **kwargs):
+        clock[0] += 0.3
+        return torch.tensor(1.0)
+    monkeypatch.setattr(trainer, "time", FakeTime)
+    monkeypatch.setattr(trainer, "train_step", three_tenths)
+    result = run_training(cfg, model, model, RandomLoader(), build_optimizers(model.param_groups(), cfg.optim),
+                          None, DistInfo(0, 0, 1, torch.device("cpu")), RunLog(tmp_path / "l.txt", enabled=False))
+    assert result.stopped_by == "time_budget" and result.steps == 3
+    assert result.train_time_s == pytest.approx(0.9) and result.train_time_s <= 1.0
+
+
+@pytest.mark.parametrize("cores, load, threads", [(2, 0.05, 2), (2, 1.1, 1), (2, 3.0, 1), (16, 3.4, 13), (1, 0, 1)])
+def test_a_cpu_run_takes_the_cores_other_processes_leave_free(monkeypatch, cores, load, threads):
+    """The demo on a shared 2-core machine with two threads took 5 min 40 s where its README said ~2 min; with one
+    thread on a quiet one it ran a third fewer steps. run_demo.sh now sets OMP_NUM_THREADS from the free cores."""
+    import os
+
+    from training import distributed
+    assert 0.0 <= distributed.busy_cores(0.05) <= (os.cpu_count() or 1) + 0.01  # a reading of this machine
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(distributed, "busy_cores", lambda: load)
+    assert distributed.free_cpu_threads() == threads
+    from conftest import REPO
+    script = (REPO / "scripts/run_demo.sh").read_text()
+    assert 'if [ -z "${OMP_NUM_THREADS:-}" ]' in script and "free_cpu_threads()" in script

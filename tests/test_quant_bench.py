@@ -103,3 +103,31 @@ def test_artifact_as_shipped(tmp_path, capsys):
     path.write_bytes(path.read_bytes()[:-1])
     with pytest.raises(SystemExit, match="run.mhcg: cannot read the artifact"):
         bench.main(["--artifact", str(path)])
+
+
+def test_stream_variants_cut_the_same_payload_differently(tmp_path):
+    """One stream per tensor is the artifact's payload; the other cuts and transforms are measured beside it."""
+    import json
+    import lzma
+    import struct
+
+    import torch
+
+    from quant.container import save_artifact
+    from quant.gptq import rtn_quantize
+    g = torch.Generator().manual_seed(0)
+    quantized = {f"sublayers.{i}.body.{part}.weight": rtn_quantize(torch.randn(64, 32, generator=g) *
+                                                                   torch.rand(64, 1, generator=g), 6)[0]
+                 for i, part in enumerate(("qkv", "up", "up", "down"))}
+    path = tmp_path / "run.mhcg"
+    save_artifact(path, {"model_config": {}, "tokenizer_sha256": "0" * 64}, quantized)
+    data = path.read_bytes()
+    header = json.loads(lzma.decompress(data[24:24 + struct.unpack_from("<I", data, 12)[0]]))
+    payload = sum(e["nbytes"] for e in header["tensors"])
+    variants = "brotli-tensors,brotli-roles,brotli-plainscales,brotli-sortedrows"
+    rows = {r["compressor"]: r for r in bench.main(["--artifact", str(path), "--layouts", "byte", "--compressors",
+                                                     variants, "--threads", "1"])}
+    assert rows["brotli-tensors"]["bytes"] == payload
+    assert rows["brotli-roles"]["bytes"] != payload  # the two up matrices share a stream
+    assert rows["brotli-plainscales"]["bytes"] != payload  # the scales' bytes in another order
+    assert rows["brotli-sortedrows"]["bytes"] > 0 and set(rows) == set(variants.split(","))

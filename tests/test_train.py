@@ -46,14 +46,16 @@ def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path,
         return real_loader(*args, **kw)
     monkeypatch.setattr(train, "TokenLoader", spy_loader)
     final = train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
-                        "quant.phi_bits=5", "train.time_budget_s=600", "quant.calib_reserve_s=30",  # steps end it
+                        "quant.scheme=rank", "quant.phi_bits=5", "train.time_budget_s=600",  # steps end it
+                        "quant.calib_reserve_s=30",
                         "train.checkpoint_every=10", "train.checkpoint_keep=3", "data.shards_per_batch=1",
                         "data.prefetch=3", "train.wandb=true", "train.wandb_project=golf-test"])
     # data.shards_per_batch and data.prefetch (not their defaults, 4 and 4) reach the training loader
     assert [(kw["shards_per_batch"], kw["prefetch"]) for kw in loaders] == [(1, 3)]
     # train.checkpoint_keep (3, not the default 2): of the checkpoints at steps 10, 20, 30 and 40 the newest three
     checkpoints = tmp_path / "runs" / "checkpoints" / "tiny"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000020", "step_00000030", "step_00000040"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["finished.json", "step_00000020", "step_00000030",
+                                                              "step_00000040"]
     # train.wandb_project names the wandb project; the run gets the step metrics and the final numbers
     assert [(i["project"], i["name"]) for i in wandb.inits] == [("golf-test", "tiny")]
     assert 40 in [step for step, _ in wandb.logged] and wandb.summary["val_bpb"] == final["val_bpb"]
@@ -135,6 +137,10 @@ def test_calibration_on_training_tokens_is_checked_against_the_budget():
     assert lines[-1].startswith("WARNING") and "2.5 s beyond train.time_budget_s=60" in lines[-1]
     assert "quant.calib_reserve_s (now 5)" in lines[-1]
     assert calibration_within_budget(cfg, 7.5, 20.0, lines.append) is True  # stopped early by max_steps: room left
+    # Training itself past its share (60 - 5 s): the warning names training, not calibration, which fit its reserve
+    assert calibration_within_budget(cfg, 0.8, 59.5, lines.append) is False
+    assert lines[-1].startswith("WARNING training took 59.5 s of its 55 s") and "ended 4.5 s past it" in lines[-1]
+    assert "raise quant.calib_reserve_s" not in lines[-1]
     # No rule applies without a time budget, or to text the model generated itself.
     no_budget = load_config(demo, ["train.time_budget_s=0", "train.schedule=steps"])
     assert calibration_within_budget(no_budget, 99.0, 500.0, lines.append) is None
@@ -280,7 +286,7 @@ def test_artifact_over_the_cap_is_never_reported_as_success(demo_dir, tmp_path, 
     import train
     from quant.size import code_bytes
     small_cap = f"quant.cap_bytes={code_bytes(REPO) + 1000}"  # 1 kB for the artifact: the tiny model needs ~39
-    with pytest.raises(SystemExit, match="no artifact: even all-int5"):
+    with pytest.raises(SystemExit, match="no artifact: even the coarsest grid of every tensor is over the budget"):
         train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
                     "train.max_steps=2", small_cap, "quant.margin_bytes=0", "train.time_budget_s=600",
                     "train.schedule=time"])
@@ -417,6 +423,11 @@ def test_shards_the_model_cannot_read_are_named_and_a_stub_shard_is_left_out(dem
     with pytest.raises(ShardError, match=r"fineweb_val_\*.bin: token id 600 is outside the model's vocabulary of 512"):
         train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
                     f"data.val_files={val}/fineweb_val_*.bin", "train.run_id=badval"])
+    # a model vocabulary smaller than the tokenizer's: the ids were blamed on the shards, the fix is the vocab size
+    with pytest.raises(ConfigError, match=r"tokenizer.model has 512 ids but model.vocab_size=300 \(hint: set "
+                                          r"model.vocab_size=512\)"):
+        train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
+                    "model.vocab_size=300", "train.run_id=smallvocab"])
 
 
 def test_bad_input_is_one_line_without_a_traceback(demo_dir, tmp_path):

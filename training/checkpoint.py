@@ -10,6 +10,7 @@ Checkpoints are not artifacts: they hold optimizer state for resuming, and are l
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from data.files import write_atomic
 from training.config import flat_config
 from training.distributed import RankAgreement, fail_together
 
@@ -71,10 +73,38 @@ def refuse_later_checkpoints(ckpt_dir: Path, start_step: int) -> None:
                               "newest, a new train.run_id starts afresh, or move them away")
 
 
+FINISHED = "finished.json"  # in a run's checkpoint folder once its artifact is scored
+
+
+def mark_finished(ckpt_dir: Path, final: dict, artifact: Path) -> None:
+    """Records that the run of this folder finished: train.resume=latest then says so instead of training again from
+    a checkpoint it kept (the one a stop signal wrote before the run was resumed and finished, say)."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    done = {"steps": final.get("steps"), "val_bpb": final.get("val_bpb"), "artifact": str(artifact)}
+    write_atomic(ckpt_dir / FINISHED, (json.dumps(done) + "\n").encode())
+
+
+def clear_finished(ckpt_dir: Path) -> None:
+    """A run that trains again under this run_id (a fresh start, or a resume from a named checkpoint) is no longer
+    finished."""
+    (ckpt_dir / FINISHED).unlink(missing_ok=True)
+
+
 def resolve_resume(resume: str, ckpt_dir: Path) -> Path | None:
-    """train.resume: '' (fresh run), 'latest' (newest complete checkpoint of this run, if any) or a path."""
+    """train.resume: '' (fresh run), 'latest' (newest complete checkpoint of this run, if any) or a path. 'latest'
+    on a run that finished is refused: there is nothing to resume, and its kept checkpoints would train again."""
     if not resume:
         return None
+    if resume == "latest" and (ckpt_dir / FINISHED).is_file():
+        try:
+            done = json.loads((ckpt_dir / FINISHED).read_text())
+            summary = f"step {done['steps']}, val_bpb {done['val_bpb']:.4f}, artifact {done['artifact']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            summary, done = "its record unreadable", {"artifact": f"<train.out_dir>/{ckpt_dir.name}.mhcg"}
+        raise CheckpointError(f"train.resume=latest: run {ckpt_dir.name} has finished ({summary}); nothing to resume "
+                              f"(hint: score it again with python -m scripts.evaluate --artifact {done['artifact']} "
+                              f"--val VAL_SHARDS --tokenizer TOKENIZER; to train again: a new train.run_id, or move {ckpt_dir} "
+                              "away first)")
     if resume == "latest":
         done = complete_checkpoints(ckpt_dir)
         return done[-1] if done else None

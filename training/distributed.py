@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,35 @@ def init_distributed(device: str = "auto") -> DistInfo:
 
 
 _CPU_GROUP = None  # the gloo group of RankAgreement on NCCL runs (a gloo run uses its default group)
+
+
+def busy_cores(window_s: float = 0.3) -> float:
+    """Cores busy with other work now: /proc/stat's busy share over `window_s` seconds times the cores (Linux), else
+    the 1-minute load average (which lags: a job that ended a minute ago still counts in it)."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+    try:
+        total0, idle0 = sample()
+        time.sleep(window_s)
+        total1, idle1 = sample()
+        share = 1.0 - (idle1 - idle0) / max(total1 - total0, 1)
+        return share * (os.cpu_count() or 1)
+    except (OSError, ValueError, IndexError):
+        try:
+            return os.getloadavg()[0]
+        except (OSError, AttributeError):  # not every platform reports a load average
+            return 0.0
+
+
+def free_cpu_threads() -> int:
+    """Threads for a CPU run on a machine others may share: the cores this process may use, less the cores busy
+    with other work now, at least 1. Two threads on two cores where another job holds one ran the demo several
+    times slower than one thread; on a quiet machine, one thread instead of two cost it a third of its steps.
+    scripts/run_demo.sh sets OMP_NUM_THREADS from this unless it is set."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, round(cores - busy_cores())))
 
 
 def cpu_group():

@@ -76,9 +76,17 @@ def calibration_within_budget(cfg: Config, seconds: float, train_time_s: float, 
         log(f"calibration {seconds:.1f} s after {train_time_s:.1f} s of training: {used:.1f} s, inside the "
             f"{budget:g} s budget")
         return True
-    log(f"WARNING calibration on training tokens took {seconds:.1f} s after {train_time_s:.1f} s of training: "
-        f"{used - budget:.1f} s beyond train.time_budget_s={budget:g}; hint: raise quant.calib_reserve_s (now "
-        f"{cfg.quant.calib_reserve_s:g}) or calibrate on generated text (quant.calib_source=generated)")
+    share = budget - cfg.quant.calib_reserve_s  # what training may take of the budget
+    if train_time_s > share:  # training overran its share; calibration may have fit its reserve
+        log(f"WARNING training took {train_time_s:.1f} s of its {share:g} s (train.time_budget_s={budget:g} minus "
+            f"quant.calib_reserve_s={cfg.quant.calib_reserve_s:g}): its last step ended "
+            f"{train_time_s - share:.1f} s past it, and with calibration ({seconds:.1f} s) the run used {used:.1f} s; "
+            "hint: steps of uneven length (a loaded machine, evaluations inside training) overrun; a quieter "
+            "machine, or a larger quant.calib_reserve_s, keeps the run inside")
+    else:
+        log(f"WARNING calibration on training tokens took {seconds:.1f} s after {train_time_s:.1f} s of training: "
+            f"{used - budget:.1f} s beyond train.time_budget_s={budget:g}; hint: raise quant.calib_reserve_s (now "
+            f"{cfg.quant.calib_reserve_s:g}) or calibrate on generated text (quant.calib_source=generated)")
     return False
 
 

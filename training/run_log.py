@@ -73,6 +73,7 @@ class RunLog:
     def __init__(self, path: Path, enabled: bool, wandb_run: Any = None):
         self.path, self.enabled, self.wandb = path, enabled, wandb_run
         self.start = time.time()
+        self.started = False  # set once the run is past its checks and trains (or scores a finished checkpoint)
         self._stdout_gone = False
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,6 +101,12 @@ class RunLog:
         if self.wandb is not None and kind in ("step", "eval"):
             self.wandb.log({f"{kind}/{k}": v for k, v in fields.items() if isinstance(v, (int, float))},
                            step=fields.get("step"))
+
+    def refused(self, error: BaseException) -> None:
+        """A start refused before it trained (a resume with other settings, a folder in use): `refused {json}` ends
+        the lines it wrote, and readers drop that segment (scripts.runlog), so that a finished run's log stays whole."""
+        if not self.started:
+            self.record("refused", reason=str(error))
 
     def final(self, result: dict[str, Any]) -> None:
         """The last line on stdout: one JSON object."""

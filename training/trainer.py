@@ -106,8 +106,10 @@ def run_training(
     for step in range(start.step, t.max_steps):
         # No sync here: the CPU runs at most a few steps ahead of the GPU (bounded launch queue),
         # and every log step below syncs, so the budget is met to within a step or two. `now` is
-        # the clock all ranks agreed on at the end of the previous step.
-        if budget and now >= budget:
+        # the clock all ranks agreed on at the end of the previous step. A step that would end past the budget, at
+        # the mean step time so far, is not started: a slow step on a loaded machine took the demo 9 s past it.
+        mean_step = (now - start.train_time_s) / (step - start.step) if step > start.step else 0.0
+        if budget and now + mean_step > budget:
             stopped_by = "time_budget"
             break
         # schedule=time: the clock, or the steps where max_steps comes first (it stops the run too: a run it ended
