@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from training.config import AT_LEAST, FRACTIONS, Config, ConfigError, load_config
+from training.config import AT_LEAST, FRACTIONS, Config, ConfigError, load_config, to_dict
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -224,3 +224,24 @@ def test_the_config_and_the_kernels_agree_on_the_stream_counts():
 def test_config_refusals_carry_a_hint(override, hint):
     with pytest.raises(ConfigError, match=re.escape(hint)):
         load_config(None, override.split())
+
+
+def test_a_config_extends_another_and_states_only_what_differs(tmp_path):
+    """configs/record_8xh100.toml and configs/h100_short.toml were copies differing in 3 of 38 keys."""
+    record, short = (to_dict(load_config(REPO / f"configs/{name}.toml")) for name in ("record_8xh100", "h100_short"))
+    differ = {(s, k) for s in record for k in record[s] if record[s][k] != short[s][k]}
+    assert differ == {("train", "batch_tokens"), ("train", "time_budget_s"), ("train", "log_every")}
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "base.toml").write_text("[model]\nn_layers = 3\nd_model = 64\n[train]\nseed = 7\n")
+    (tmp_path / "sub" / "top.toml").write_text('extends = "../base.toml"\n[model]\nd_model = 32\n')
+    cfg = load_config(tmp_path / "sub" / "top.toml", ["train.seed=9"])
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.train.seed) == (3, 32, 9)  # base, file, command line
+    (tmp_path / "base.toml").write_text('extends = "sub/top.toml"\n')
+    with pytest.raises(ConfigError, match=r"base.toml: extends sub/top.toml, which extends it in turn \(a cycle\)"):
+        load_config(tmp_path / "sub" / "top.toml")
+    (tmp_path / "base.toml").write_text("[model]\nn_layerz = 3\n")  # an error in the base names the base
+    with pytest.raises(ConfigError, match=r"base.toml: unknown key 'model.n_layerz'"):
+        load_config(tmp_path / "sub" / "top.toml")
+    (tmp_path / "bad.toml").write_text("extends = 3\n")
+    with pytest.raises(ConfigError, match="extends = 3: expected the path of another config file"):
+        load_config(tmp_path / "bad.toml")

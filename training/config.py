@@ -177,25 +177,44 @@ def _apply(section_obj: Any, section: str, values: dict[str, Any], source: str) 
         setattr(section_obj, key, _coerce(value, hints[key], f"{source}: {section}.{key}"))
 
 
+def _read_toml(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} not found (hint: see configs/ for the shipped ones)") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    except OSError as e:  # a folder, a file it cannot read
+        raise ConfigError(f"config file {path}: {e.strerror} (hint: --config takes a .toml file, see configs/)") \
+            from None
+
+
+def _apply_file(path: Path, sections: dict, seen: tuple[Path, ...]) -> None:
+    """A config file's sections onto `sections`; first those of the file it names in a top-level
+    `extends = "base.toml"` (relative to its own folder), so that a config states only what differs from its base."""
+    data = _read_toml(path)
+    base = data.pop("extends", None)
+    if base is not None:
+        if not isinstance(base, str):
+            raise ConfigError(f"{path}: extends = {base!r}: expected the path of another config file, as a string")
+        base_path = path.parent / base
+        if base_path.resolve() in seen or base_path.resolve() == path.resolve():
+            raise ConfigError(f"{path}: extends {base}, which extends it in turn (a cycle)")
+        _apply_file(base_path, sections, (*seen, path.resolve()))
+    for section, values in data.items():
+        if section not in sections or not isinstance(values, dict):
+            raise ConfigError(f"{path}: unknown section [{section}]; expected one of {sorted(sections)} "
+                              "(or a top-level extends = \"base.toml\")")
+        _apply(sections[section], section, values, str(path))
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults <- TOML file <- `section.key=value` overrides, in that order."""
+    """Defaults <- TOML file (after the file it extends, if any) <- `section.key=value` overrides, in that order."""
     cfg = Config()
     sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     if path is not None:
         path = Path(path)
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found (hint: see configs/ for the shipped ones)") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: invalid TOML: {e}") from None
-        except OSError as e:  # a folder, a file it cannot read
-            raise ConfigError(f"config file {path}: {e.strerror} (hint: --config takes a .toml file, see configs/)") \
-                from None
-        for section, values in data.items():
-            if section not in sections or not isinstance(values, dict):
-                raise ConfigError(f"{path}: unknown section [{section}]; expected one of {sorted(sections)}")
-            _apply(sections[section], section, values, str(path))
+        _apply_file(path, sections, ())
     for item in overrides:
         key, sep, value = item.partition("=")
         section, dot, name = key.partition(".")
