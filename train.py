@@ -30,7 +30,7 @@ from data.shards import (ShardError, list_shards, require_disjoint, require_toke
 from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256, load_sp, require_round_trip
 from model.gpt import GPT
 from quant.container import ArtifactError, CodecUnavailable, require_codec
-from scripts.evaluate import evaluate_artifact
+from training.score import evaluate_artifact
 from training.checkpoint import (CheckpointError, Checkpointer, Resumed, checkpoint_step, clear_finished,
                                  keep_trained_state, load_checkpoint, mark_finished, refuse_later_checkpoints,
                                  resolve_resume)
@@ -137,7 +137,7 @@ def start_run(cfg: Config, dist, log, val: Validation, train_files: list[str], r
     device, run_id = dist.device, cfg.train.run_id
     if reused:  # said at the top of the new run's lines, and on the terminal
         log(f"WARNING {path} already holds a run of train.run_id={run_id}: this run is "
-            "appended to it and replaces its artifact (scripts.runlog reads the newest run; export_record refuses "
+            "appended to it and replaces its artifact (training.run_log reads the newest run; export_record refuses "
             "such a log); hint: a new train.run_id keeps runs apart")
     digest = code_digest(REPO)  # None: scripts.reproduce --reuse and export_record will call the code unknown
     log(f"run {run_id}  commit {git_commit(REPO)}{f'  code {digest}' if digest else ''}  world_size {dist.world_size}  "

@@ -245,7 +245,7 @@ def download(variant: str, train_shards: int, out_dir: Path, repo_id: str = REPO
                           "--out", str(out_dir), "--repo-id", repo_id])
     folders = {item.local.parent for _, item in missing if item.kind in ("train", "val")}
     shard_folders = {item.local.parent for item in plan if item.kind in ("train", "val")}
-    # A live download's marker and staging folder would be taken over (found by reviews), also by a request that
+    # A live download's marker and staging folder would be taken over, also by a request that
     # fetches only a tokenizer file: it clears the variant's staging folder when done.
     for folder in sorted(shard_folders if missing else ()):
         writer = live_marker_writer(folder)
@@ -279,7 +279,7 @@ def remove_staging(staging: Path) -> None:
 
 
 def clear_stale_marker(folder: Path) -> None:
-    """Removes the marker of a request that stopped before it had every shard (found by a review: it outlived a
+    """Removes the marker of a request that stopped before it had every shard (it outlived a
     later, smaller request that found all it asked for, and refused its shards), but not the marker of a download
     still running on this machine, nor one of another machine, which this one cannot check."""
     marker = folder / DOWNLOAD_MARKER

@@ -119,8 +119,8 @@ def _old_outputs(out_dir: Path, overwrite: bool, tokenizer: str) -> list[Path]:
     """The shards and manifest already in out_dir: refused up front without overwrite, else replaced only
     once the new set is complete (so a bad input or an interruption keeps the old set). A tokenizer.model/.vocab
     that the old set's manifest says its run shipped into out_dir (`tokenizer_shipped`) goes with them, unless it
-    is the tokenizer this run reads: left beside shards of another tokenizer, it is the one a user would reach for
-    (found by a review). A tokenizer the old manifest does not name as shipped (one the user put there) stays."""
+    is the tokenizer this run reads: left beside shards of another tokenizer, it is the one a user would reach for.
+    A tokenizer the old manifest does not name as shipped (one the user put there) stays."""
     manifest = out_dir / "manifest.json"
     old = sorted(out_dir.glob("fineweb_*.bin")) + ([manifest] if manifest.exists() else [])
     if old and not overwrite:
@@ -153,7 +153,7 @@ class HeldOut:
     digest, computed in the workers) and drops training documents that encode to the same ids (counted in the
     manifest). Ids, not raw text: a copy that differs in runs of spaces, tabs, leading or trailing whitespace or
     compatibility characters, which the tokenizer's normalization removes, is the same validation text to the
-    model (found by a review: raw text let such copies into training)."""
+    model (raw text let such copies into training)."""
 
     def __init__(self):
         self.digests: set[bytes] = set()

@@ -101,7 +101,7 @@ def file_sha256(path: str | os.PathLike) -> str:
 def training_pieces(texts: Iterator[str], max_bytes: int) -> Iterator[str]:
     """Documents for the tokenizer trainer, those over `max_bytes` UTF-8 bytes cut into pieces that fit: at a line
     break, else at a space, in the second half of the allowed length, else at a character boundary. SentencePiece
-    skips longer sentences without a word: on the shared training mix, 51% of the bytes (docs/benchmarks.md)."""
+    skips longer sentences without a word: on the shared training mix, 51% of the bytes (docs/journal.md)."""
     for text in texts:
         data = text.encode("utf-8")
         while len(data) > max_bytes:
@@ -214,7 +214,7 @@ def load_sp(model_path_or_sp) -> spm.SentencePieceProcessor:
 
 @dataclass
 class ByteLUT:
-    """Per-id byte accounting (GUIDE section 2); arrays of length vocab_size."""
+    """Per-id byte accounting (docs/legality.md, bits per byte); arrays of length vocab_size."""
     base_bytes: np.ndarray          # int16: UTF-8 bytes of the piece without its leading "▁"
     has_leading_space: np.ndarray   # bool: piece starts with "▁" (one more byte unless after a boundary)
     is_boundary: np.ndarray         # bool: control / unknown / unused ids (BOS among them)
@@ -226,7 +226,7 @@ def build_byte_lut(model_path_or_sp) -> ByteLUT:
     decodes to a 1-byte space), plus one for the leading "▁" unless the previous token is a boundary --
     SentencePiece drops that space at the start of a decoded document."""
     sp = load_sp(model_path_or_sp)
-    if sp.piece_to_id(SPACE) == sp.unk_id():  # GUIDE's list of mistakes: a space would decode as "▁", 3 bytes
+    if sp.piece_to_id(SPACE) == sp.unk_id():  # a space would decode as "▁", 3 bytes
         raise TokenizerError(f"{model_path_or_sp}: no standalone {SPACE!r} piece, so byte fallback spells each space "
                              "as the 3 bytes of U+2581 and bits per byte would be counted against the wrong text "
                              "(hint: use a tokenizer trained on text with spaces)")

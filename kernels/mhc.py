@@ -36,7 +36,7 @@ Tensor = torch.Tensor
 
 
 # The interpreter has no bfloat16: its bf16 tl.dot gave projections ~1e11 off and its stores truncate instead of
-# rounding (found by a review), so bf16 CPU tensors take the reference.
+# rounding, so bf16 CPU tensors take the reference.
 _INTERPRETER_DTYPES = (torch.float32, torch.float16)  # fp64 too would run, at fp32's precision: the reference
 
 

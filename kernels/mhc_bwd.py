@@ -12,7 +12,7 @@ Three passes, because every stream gradient needs dH_pre, a reduction over all n
     channels (dH_res, dH_post) finish in the program's registers.
   dphi: d(phi) = x'^T G, a skinny product over all tokens, as per-program partials summed afterwards.
     It reads x' once more; folding it into stream_bwd (an [n*C, N] accumulator per program) spilled
-    registers and ran that kernel at 28% of peak DRAM throughput (H100, ncu, session 4).
+    registers and ran that kernel at 28% of peak DRAM throughput (H100, ncu).
 """
 from __future__ import annotations
 
@@ -271,13 +271,13 @@ def coef_bwd_config(device: torch.device) -> dict:
     return dict(BT=16, BC=32, num_warps=4, TOKENS=16)
 
 
-# stream_bwd: the fastest of scripts/bench_kernels.py mhc --sweep on an H200 (session 5): 0.79 ms at 98,304
-# tokens with 32 tokens x 16 channels per program on 2 warps, against 1.23 ms for session 4's 16 x 64 on 4
+# stream_bwd: the fastest of scripts/bench_kernels.py mhc --sweep on an H200: 0.79 ms at 98,304
+# tokens with 32 tokens x 16 channels per program on 2 warps, against 1.23 ms for 16 x 64 on 4
 # warps. Both sit at 255 registers with a little spill (scripts/kernel_resources.py); the narrow tile
 # needs fewer shuffles and layout barriers per token, and two-warp programs let more of them share an SM.
-# At n=2 (session 7, H100) the kernel needs 149 registers, not 255, and the wide tile wins: 16 x 64 on 4 warps
+# At n=2 (H100) the kernel needs 149 registers, not 255, and the wide tile wins: 16 x 64 on 4 warps
 # took 0.363 ms (83% of copy bandwidth on its bytes) against 0.674 ms for the n=4 default. With GP_SCRATCH
-# (session 8, H100) the wide n=2 tile took 0.340 ms (89%) against 0.406 without it in the same run, and the
+# (H100) the wide n=2 tile took 0.340 ms (89%) against 0.406 without it in the same run, and the
 # n=2 training step went from 107.4 to 100.4 ms (915k to 979k tokens/s). At n=4 GP_SCRATCH was slower on
 # every block tried (best 1.076 ms against 1.025), so n=4 keeps the plain kernel. n=8 is not measured; it
 # keeps the n=4 block.
@@ -349,7 +349,7 @@ def launch_dphi(launch, xs, aux, cfg: dict | None = None):
     BT, BK = cfg.pop("BT"), cfg.pop("BK")
     chunks = triton.cdiv(K, BK)
     # Not capped by T's token blocks: a split with none writes zeros, and under torch.compile(dynamic=True) a cap
-    # guarded on T and recompiled as T changed (found by a review).
+    # guarded on T and recompiled as T changed.
     splits = cfg.pop("splits", None) or max(1, program_slots(xs.device) // chunks)
     part = torch.empty((splits, K, NP), device=xs.device, dtype=torch.float32)
     launch(dphi_kernel)[(chunks, splits)](

@@ -147,9 +147,9 @@ def apply_kernel(x_ptr, y_ptr, hres_ptr, hpost_ptr, xnew_ptr, T, C,
 
 def fwd_config(device: torch.device, n: int, apply: bool = True) -> dict:
     """Block sizes of coef_premix: tokens per program and channels per step, for the launch with the apply
-    (mhc_post_pre, every sublayer but the first) or without it (mhc_pre). The fastest on an H100 (session 11,
-    every pass ZIGZAG; `scripts/bench_kernels.py mhc --sweep coef_premix,coef_premix_pre`, docs/benchmarks.md):
-      with the apply, n=4: 32 tokens x 128 channels, 0.671-0.673 ms against 0.751-0.756 for session 8's
+    (mhc_post_pre, every sublayer but the first) or without it (mhc_pre). The fastest on an H100 (every pass
+    ZIGZAG; `scripts/bench_kernels.py mhc --sweep coef_premix,coef_premix_pre`, docs/kernels.md):
+      with the apply, n=4: 32 tokens x 128 channels, 0.671-0.673 ms against 0.751-0.756 for the
         APPLY_PASS block; n=2: 16 x 128, 0.289-0.291 ms against 0.317 for 16 x 64.
       without it, 64 tokens x 64 channels at both n: n=4 0.337 ms against 0.421 for 32 x 64 and 0.544 for
         32 x 128 (whose 128 KB of shared memory leave one program per SM); n=2 0.194 against 0.307 for 16 x 64.

@@ -33,7 +33,7 @@ def mhc_num_coefficients(n: int) -> int:
 
 # Entries more than this far below their matrix's max start at exp(-80) ~ 1.8e-35 instead of underflowing to 0:
 # a row or column of zeros was 0/0 in the first round, and the NaN reached every later token through attention
-# (found by a review, at res logits spread by ~90). Above it nothing changes.
+# (at res logits spread by ~90). Above it nothing changes.
 SINKHORN_FLOOR = -80.0
 
 

@@ -92,7 +92,7 @@ def tma_compatible(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aux: tor
     """Whether the tensor-descriptor kernel can take these operands. It reads a, and writes out and aux, as
     row-major [M, K] / [M, N]; b may be row-major [K, N] or a transposed view of a row-major [N, K] (B_K_MAJOR).
     A column-major a (x.transpose(...) reshaped without a copy, a transposed dy) was accepted and read as
-    row-major: wrong outputs and gradients with no error (found by a review)."""
+    row-major: wrong outputs and gradients with no error."""
     return (all(_descriptor_ok(t, 1) for t in (a, out, aux))
             and (_descriptor_ok(b, 1) or _descriptor_ok(b, 0)))
 

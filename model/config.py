@@ -1,6 +1,7 @@
 """Model hyper-parameters (a typed dataclass; configs/*.toml fill it under [model]).
 
-The record-architecture options (GUIDE §3: XSA, partial RoPE, per-layer norm scale, U-Net skips,
+The record-architecture options (the parameter-golf records' stack, https://github.com/openai/parameter-golf:
+XSA, partial RoPE, per-layer norm scale, U-Net skips,
 SmearGate, BigramHash, value embeddings) all default to OFF, which is the plain model bit for bit.
 """
 from __future__ import annotations
@@ -89,7 +90,7 @@ class ModelConfig:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be >= {low} (hint: the default is "
                                  f"{getattr(ModelConfig, name)})")
         # embed_init_std=0 gave a model with every gradient exactly 0 (the tied head reads the zero table through
-        # output projections that also start at zero), so it never trained (found by a review)
+        # output projections that also start at zero), so it never trained
         for name in ("mlp_mult", "rope_base", "embed_init_std"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be > 0 (hint: the default is "

@@ -1,4 +1,4 @@
-"""Record-architecture pieces outside attention and the MLP (GUIDE §3): SmearGate and BigramHash on
+"""Record-architecture pieces outside attention and the MLP (https://github.com/openai/parameter-golf records): SmearGate and BigramHash on
 the input embedding, and the U-Net skip wiring with its learned weights.
 
 Document boundaries: every shard document starts with BOS (id 1). Position t has an in-document
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 BOS_ID = 1
 SMEAR_GATE_INIT = -3.0      # sigmoid(-3) = 0.047: a 5% blend at init, with a non-vanishing gradient
-BIGRAM_OUT_SCALE = 0.05     # BigramHash output scale (GUIDE §3)
+BIGRAM_OUT_SCALE = 0.05     # BigramHash output scale, as in the records
 FIB_MULT = 2654435761       # floor(2**32 / golden ratio): Knuth's multiplicative (Fibonacci) hash
 MASK32 = 0xFFFFFFFF
 

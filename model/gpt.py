@@ -1,6 +1,6 @@
 """GPT with mHC residual streams (n_streams >= 2) or a plain pre-norm residual stream (n_streams = 1).
 
-Forward with mHC, per token (GUIDE §4): the n streams start as copies of the embedding; each
+Forward with mHC (https://arxiv.org/abs/2512.24880), per token: the n streams start as copies of the embedding; each
 sublayer F (attention, MLP) reads u = Σ_i H_pre[i]·x_i and writes x'_i = Σ_j H_res[i,j]·x_j +
 H_post[i]·F(u); the head reads a learned combination of the streams. The apply of sublayer l and
 the pre-mix of sublayer l+1 are one call (`post_pre`), the point where the kernels fuse.

@@ -307,8 +307,8 @@ def _check_header(path: str, header, payload_len: int) -> None:
         if not all(type(entry.get(k)) is int and entry[k] >= 0 for k in ints) or not isinstance(shape, list) \
                 or not all(type(s) is int and s >= 0 for s in shape):
             bad(f"tensor {entry['name']!r} needs non-negative integer {ints} and shape")
-        # Bounded before any arithmetic on them: the product of thousands of 4,000-digit dimensions took minutes
-        # (found by a review), and no stored tensor has more than MAX_RAW_BYTES of anything.
+        # Bounded before any arithmetic on them: the product of thousands of 4,000-digit dimensions took minutes,
+        # and no stored tensor has more than MAX_RAW_BYTES of anything.
         if len(shape) > MAX_DIMS or any(v > MAX_RAW_BYTES for v in [*shape, *(entry[k] for k in ints)]):
             bad(f"tensor {entry['name']!r} declares {len(shape)} dimensions or a size past {MAX_RAW_BYTES:,} "
                 f"(at most {MAX_DIMS} dimensions, each size at most that)")

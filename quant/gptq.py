@@ -38,7 +38,7 @@ def candidate_scales(weight: torch.Tensor, bits: int, percentiles=CLIP_PERCENTIL
     qmax = qmax_for(bits)
     q = torch.tensor(percentiles, dtype=torch.float32, device=weight.device)
     clips = torch.quantile(weight.abs().float(), q, dim=1)  # [P, rows]
-    if clips[-1].max() / qmax > FP16_MAX:  # a clamped scale would clip the row silently (found by a review)
+    if clips[-1].max() / qmax > FP16_MAX:  # a clamped scale would clip the row silently
         raise ValueError(f"a weight of magnitude {clips[-1].max():.4g} is past what an fp16 row scale can hold at "
                          f"int{bits} ({FP16_MAX:g} x {qmax}); hint: the run diverged, or the matrix is not a weight")
     scales = (clips / qmax).half().float()

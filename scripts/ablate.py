@@ -19,25 +19,18 @@ import argparse
 import json
 import os
 import queue
-import re
-import shlex
 import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data.files import write_atomic
+from training.config import ConfigError, load_config
+from training.records import final_problem
+from training.run_log import log_path, output_problem, stream_run
+from training.variants import NAME, parse_variant, split_common
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from data.files import write_atomic  # noqa: E402
-from scripts.record_rule import final_problem  # noqa: E402
-from scripts.runlog import output_problem, stream_run  # noqa: E402
-from training.config import ConfigError, load_config  # noqa: E402
-from training.run_log import log_path  # noqa: E402
-
-NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-
 
 @dataclass
 class Variant:
@@ -58,17 +51,6 @@ class Variant:
 
 def run_id(prefix: str, name: str) -> str:
     return f"{prefix}-{name}"
-
-
-def parse_variant(text: str) -> Variant:
-    name, sep, overrides = text.partition("=")
-    if not sep or not NAME.match(name):
-        raise SystemExit(f"--variant {text!r}: expected NAME=\"section.key=value ...\" with NAME made of letters, "
-                         "digits, '.', '_' or '-' (it becomes part of the run id)")
-    try:
-        return Variant(name, shlex.split(overrides))
-    except ValueError as e:  # an unclosed quote
-        raise SystemExit(f"--variant {text!r}: the overrides do not split as a shell would ({e})") from None
 
 
 def check_configs(config: str, common: list[str], variants: list[Variant], prefix: str) -> None:
@@ -154,14 +136,6 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def split_common(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(the script's own arguments, the overrides after `--` that every variant shares)."""
-    if "--" not in argv:
-        return argv, []
-    i = argv.index("--")
-    return argv[:i], argv[i + 1:]
-
-
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     argv, common = split_common(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -194,7 +168,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv=None) -> int:
     args, common = parse_args(sys.argv[1:] if argv is None else list(argv))
-    variants = [parse_variant(text) for text in args.variant]
+    variants = [Variant(*parse_variant(text)) for text in args.variant]
     check_configs(args.config, common, variants, args.prefix)
     slots = [None] * args.parallel if args.gpus == "none" else [g.strip() for g in args.gpus.split(",")]
     run_all(args.config, common, variants, slots, args.prefix)

@@ -1,8 +1,8 @@
 """Compare compressors and code layouts on a quantized payload; prints a table.
 
-    python scripts/bench_compress.py --synthetic                      # random weights, reference size
-    python scripts/bench_compress.py --artifact-state weights.npz     # named float weights of a real model
-    python scripts/bench_compress.py --artifact runs/<run_id>.mhcg      # the exact codes a run shipped
+    python -m scripts.bench_compress --synthetic                      # random weights, reference size
+    python -m scripts.bench_compress --artifact-state weights.npz     # named float weights of a real model
+    python -m scripts.bench_compress --artifact runs/<run_id>.mhcg      # the exact codes a run shipped
 
 The payload is what the container stores: every 2-D tensor quantized per row by round-to-nearest with
 clip search (int5 or int6 for matrices, int8 for tables matching --table-patterns), other tensors as
@@ -26,19 +26,16 @@ import argparse
 import fnmatch
 import lzma
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quant.container import ArtifactError, build_artifact, encode_tensor, load_artifact  # noqa: E402
-from quant.gptq import rtn_quantize  # noqa: E402
-from quant.pack import LAYOUTS, QuantizedTensor, encode_codes  # noqa: E402
+from quant.container import ArtifactError, build_artifact, encode_tensor, load_artifact
+from quant.gptq import rtn_quantize
+from quant.pack import LAYOUTS, QuantizedTensor, encode_codes
 
 COMPRESSORS = ("brotli", "lzma", "zstd", "brotli-chunks", "brotli-roles", "brotli-tensors", "brotli-plainscales",
                "brotli-sortedrows")

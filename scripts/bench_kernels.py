@@ -1,9 +1,9 @@
 """Kernel benchmarks on a CUDA GPU, one subcommand per kernel family:
 
-    python scripts/bench_kernels.py mhc [--tokens 32768 98304] [--n 4] [--C 512] [--rep-ms 200]
+    python -m scripts.bench_kernels mhc [--tokens 32768 98304] [--n 4] [--C 512] [--rep-ms 200]
                                         [--sweep [stream_bwd,coef_premix,coef_premix_pre,...]]
                                         [--impls eager,compiled,triton[,triton-graph]] [--profile-once]
-    python scripts/bench_kernels.py mlp ...   (scripts/bench_mlp.py: its own flags)
+(the fused MLP has its own tool: python -m scripts.bench_mlp)
 
 `mhc` times one steady-state mHC unit, mhc_post_pre (apply of sublayer l + coefficients and pre-mix
 of sublayer l+1, with the sublayer output y given), in bf16: forward, backward and forward+backward
@@ -15,91 +15,20 @@ launches (short units, as at n=2, can be host-bound). `--sweep` also times each 
 under several block configurations. `--profile-once` times nothing: it runs the Triton unit's forward and backward
 twice (the first compiles) for a profiler to read; the five mHC kernels of the second run are
     ncu --clock-control none --kernel-name regex:"coef_premix|premix_grad|coef_bwd|stream_bwd|dphi"
-        --launch-skip 5 --launch-count 5 python scripts/bench_kernels.py mhc --tokens 98304 --profile-once
+        --launch-skip 5 --launch-count 5 python -m scripts.bench_kernels mhc --tokens 98304 --profile-once
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 from kernels import mhc_reference as R
-from scripts.mhc_bytes import design_bound, floor_bytes_per_token, stream_rows
+from kernels.mhc_blocks import SWEEP, default_blocks
+from kernels.mhc_traffic import design_bound, floor_bytes_per_token, stream_rows
 
 COPY_BYTES = 1 << 30
-SWEEP = {  # kernel -> block configurations tried by --sweep (the first is the default)
-    # Measured and dropped (docs/benchmarks.md): 8 warps, LOWP=False, num_stages=1 (session 5), and the
-    # narrow tiles that helped stream_bwd (BC=16 on 1-4 warps: 1.03-1.04 ms against 0.74 on an H100, session 6);
-    # for stream_bwd BT=16/BC=16 on 1 or 2 warps, BT=32/BC=32 on 4 warps and num_stages=2 (within 4%, session 6);
-    # register caps (maxnreg) so that more programs share an SM: stream_bwd at 192/168/128 registers took
-    # 1.34/2.17/3.13 ms against 1.03 uncapped (the spills cost more than the occupancy gains), coef_premix at
-    # 96 the same as at its own 128 (session 7); stream_bwd loading each channel tile an iteration ahead (a
-    # loop-carried tile): 1.42 ms against 1.04 at n=4, and at n=2 slower than the wide tile without it (session 7).
-    # The first row is the n=4 default; kernels/mhc_fwd.py and kernels/mhc_bwd.py pick coef_premix's and
-    # stream_bwd's defaults per n (coef_premix's also by whether the launch applies a sublayer first).
-    # APPLY_PASS (kernels/mhc_fwd.py): the apply in a loop of its own, then a projection loop with no barrier.
-    # Dropped on an H100 (session 8, n=4 / n=2 ms): BT=16/BC=128 (0.941 / 0.371), 8 warps (1.200 / 0.629),
-    # num_stages=4 (0.821 / 0.387) and BT=32/BC=32 (0.848 / 0.470), against 0.716 / 0.326 for session 8's defaults.
-    # ZIGZAG=False (every pass in channel order): on an H100 (session 11) 0.780 / 0.772 ms at n=4 for session 8's
-    # two default rows (APPLY_PASS 32/64, plain 16/64) against 0.751 / 0.730 with it (ncu: L2 hit rate 38% ->
-    # 50%, DRAM bytes 1.78 -> 1.48 GB); no change at n=2 (16/64: 0.315 without, 0.317 with).
-    # Session 11, n=4 (ms, two runs): 32/128/4 warps 0.671-0.673 (the default now), 32/64 APPLY_PASS 0.751-0.756
-    # (session 8's default), 16/64 0.727-0.730, 16/128 0.731-0.734; 64/128 on 4 warps 1.351, 32/128 on 8 warps
-    # 0.785, 32/128 APPLY_PASS 0.941, 64/128 on 8 warps 0.776 (dropped). n=2: 16/128 0.289-0.291 (the default),
-    # 16/256 0.285 (channel_block caps n=4 at 128), 32/128 0.295, 16/64 0.317, 16/128 on 8 warps 0.343 (dropped).
-    "coef_premix": [dict(BT=32, BC=128, num_warps=4), dict(BT=16, BC=128, num_warps=4),
-                    dict(BT=32, BC=64, num_warps=4, APPLY_PASS=True), dict(BT=16, BC=64, num_warps=4),
-                    dict(BT=32, BC=64, num_warps=4), dict(BT=16, BC=32, num_warps=2),
-                    dict(BT=16, BC=64, num_warps=4, APPLY_PASS=True), dict(BT=16, BC=64, num_warps=2),
-                    dict(BT=32, BC=64, num_warps=4, APPLY_PASS=True, ZIGZAG=False),
-                    dict(BT=16, BC=256, num_warps=4)],
-    # Dropped on an H100 (session 13, as in session 6): one token row per thread, like stream_bwd's fastest
-    # block. Compiled for sm_90 on the CPU it needs 128 registers and no spills at n=4 with the apply (32 x 128:
-    # 255 and 280 B of spills), yet 32 x 16 on 2 warps took 1.030 / 0.523 ms (n=4 / n=2) and 64 x 16 on 4 warps
-    # 1.040 / 0.624, against 0.674 / 0.291 for the defaults; without the apply, 64 x 16 took 0.561 / 0.285
-    # against 0.338 / 0.193.
-    # coef_premix without the apply (mhc_pre, the first sublayer: x in, u out); the first row is the default at
-    # every n. Session 11 (H100, ms, n=4 / n=2): 64/64 0.337 / 0.194, 32/64 0.415-0.421 / 0.202, 16/64
-    # 0.596-0.599 / 0.306-0.307, 32/128 0.544 (128 KB of shared memory: one program per SM) / 0.211, 16/128
-    # 0.743-0.746 / 0.314-0.315, 32/64 on 8 warps 0.685 / 0.308. Session 12 (H100): 64/64 0.339 / 0.195 again;
-    # the two rows around it 64/64 on 8 warps 0.358 / 0.184 (n=2 6% faster in one run: 11 us per step, as
-    # mhc_pre runs once) and 64/32 0.473 / 0.264. 128 tokens would need ~180 KB of shared memory.
-    "coef_premix_pre": [dict(BT=64, BC=64, num_warps=4), dict(BT=32, BC=64, num_warps=4),
-                        dict(BT=16, BC=64, num_warps=4), dict(BT=32, BC=128, num_warps=4),
-                        dict(BT=16, BC=128, num_warps=4), dict(BT=32, BC=64, num_warps=8),
-                        dict(BT=64, BC=64, num_warps=8), dict(BT=64, BC=32, num_warps=4)],
-    "coef_bwd": [dict(BT=32, BC=128, num_warps=8), dict(BT=64, BC=128, num_warps=8), dict(BT=32, BC=256, num_warps=8),
-                 dict(BT=16, BC=128, num_warps=4), dict(BT=64, BC=64, num_warps=4)],
-    # GP_SCRATCH (G phi^T through the dx tile, kernels/mhc_bwd.py) takes n=4 from 255 registers to 159-172 at
-    # 4 elements per thread (scripts/kernel_resources.py). On an H100 (session 8) it was slower at n=4 on every
-    # block (1.076-1.483 ms against 1.025) and faster at n=2 (16/64/4 warps: 0.340 ms against 0.406), n=2's
-    # default. Dropped: BT=16/BC=32/4 warps, BT=32/BC=16/4 warps and BT=16/BC=16/2 warps (n=4: 1.13-1.28 ms,
-    # n=2: 0.43-0.55 ms). G phi^T as rank-one updates on the CUDA cores in the loads' layout (GP_FMA, session 9:
-    # 225-250 registers and no spill at n=4, sm_90) lost on every block: n=4 1.770-2.715 ms against 1.025, n=2
-    # 0.359-0.824 against 0.340 (H100); removed.
-    # A fused backward (premix_grad + coef_bwd + stream_bwd as one kernel: pass A over the channels for dH_pre with
-    # x' recomputed, the gate and Sinkhorn gradients in registers, then stream_bwd's loop backwards over the tiles so
-    # that it rereads pass A's last tiles first) lost at its fastest block on an H100 (session 14, commit f62d499):
-    # n=4 1.449 ms (32/16 on 2 warps; 8 blocks 1.449-2.724) against 0.284 + 1.027 for the three kernels, n=2 0.541
-    # (16/64/4 warps GP_SCRATCH) against 0.160 + 0.341. Likely (not profiled): pass A runs at the occupancy that the
-    # heaviest part sets (stream_bwd's registers), where premix_grad alone streams near copy bandwidth, and what
-    # pass B gains from L2 does not make up for it. Removed (docs/benchmarks.md, session 14).
-    # Whole-row channel tiles past channel_block's cap (session 20, a probe; n=4): 16/512 on 4/8/16 warps 1.334-2.039
-    # ms with the apply against 0.680, 16/256 0.753; without the apply they need 262-525 KB of shared memory.
-    # Tensor-descriptor (TMA) loads of the inputs (session 20, commit f0f2daf, removed after): on an H100 at n=4
-    # every TMA row lost. stream_bwd 1.470-2.643 ms on 9 blocks (32/16/2 warps 1.819) against 1.026; coef_premix
-    # 0.831-1.022 on 6 blocks against 0.670; coef_premix_pre 0.364-0.489 on 4 against 0.338.
-    "stream_bwd": [dict(BT=32, BC=16, num_warps=2), dict(BT=16, BC=64, num_warps=4), dict(BT=64, BC=16, num_warps=4),
-                   dict(BT=32, BC=16, num_warps=2, GP_SCRATCH=True), dict(BT=16, BC=64, num_warps=8, GP_SCRATCH=True),
-                   dict(BT=16, BC=64, num_warps=4, GP_SCRATCH=True)],
-    "dphi": [dict(BT=32, BK=128, num_warps=4), dict(BT=64, BK=128, num_warps=4), dict(BT=64, BK=256, num_warps=8),
-             dict(BT=128, BK=64, num_warps=4), dict(BT=32, BK=128, num_warps=4, splits=66)],
-}
 
 
 # ---------------------------------------------------------------- timing
@@ -211,21 +140,6 @@ def block_text(cfg: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in cfg.items())
 
 
-def default_configs(n: int) -> dict[str, dict]:
-    """Each swept kernel's default launch configuration on a GPU at this n, as its launcher picks it."""
-    from kernels.mhc_bwd import coef_bwd_config, dphi_config, stream_bwd_config
-    from kernels.mhc_fwd import fwd_config
-    gpu = torch.device("cuda")
-    return {"coef_premix": fwd_config(gpu, n), "coef_premix_pre": fwd_config(gpu, n, apply=False),
-            "coef_bwd": coef_bwd_config(gpu),
-            "stream_bwd": stream_bwd_config(gpu, n), "dphi": dphi_config(gpu)}
-
-
-def default_blocks(n: int) -> dict[str, dict]:
-    """default_configs without coef_bwd's TOKENS (its second kernel's program size, which SWEEP does not vary)."""
-    return {name: {k: v for k, v in cfg.items() if k != "TOKENS"} for name, cfg in default_configs(n).items()}
-
-
 def sweep_summary(rows: list[tuple], defaults: dict[str, dict]) -> list[str]:
     """A line per swept kernel: its fastest block and how that compares with the default at this n, the
     number to read before changing a default (a few % is within run-to-run noise)."""
@@ -335,7 +249,7 @@ def mhc_main(argv: list[str]) -> list[dict]:
 
 # ---------------------------------------------------------------- dispatch
 
-SUBCOMMANDS = ("mhc", "mlp")
+SUBCOMMANDS = ("mhc",)
 
 
 def main(argv: list[str] | None = None):
@@ -345,13 +259,8 @@ def main(argv: list[str] | None = None):
         raise SystemExit(0)
     if not argv or argv[0] not in SUBCOMMANDS:
         raise SystemExit(f"usage: bench_kernels.py {{{','.join(SUBCOMMANDS)}}} [options]; got {argv[:1] or 'nothing'}"
-                         "\nhint: `bench_kernels.py mhc --help` lists the mHC options")
-    if argv[0] == "mlp":
-        try:
-            from scripts import bench_mlp
-        except ImportError as e:
-            raise SystemExit(f"bench_kernels.py mlp: scripts/bench_mlp.py could not be imported ({e})") from e
-        return bench_mlp.main(argv[1:], prog="bench_kernels.py mlp")
+                         "\nhint: `bench_kernels.py mhc --help` lists the mHC options; the fused MLP's benchmark is "
+                         "python -m scripts.bench_mlp")
     return mhc_main(argv[1:])
 
 

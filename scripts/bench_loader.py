@@ -1,6 +1,6 @@
 """Benchmark data.loader.TokenLoader: sustained throughput, and time lost waiting for data in a training loop.
 
-    python scripts/bench_loader.py [--files GLOB] [--device cpu|cuda] [--seq-len 2048] [--batch-seqs 48]
+    python -m scripts.bench_loader [--files GLOB] [--device cpu|cuda] [--seq-len 2048] [--batch-seqs 48]
                                    [--steps N] [--step-ms 100] [--synthetic-tokens N]
 
 1. throughput: next_batch() in a tight loop (on CUDA the host-to-device copy included, synchronized at
@@ -16,7 +16,6 @@ Without --files it writes 4 temporary shards of --synthetic-tokens random tokens
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,9 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from data.loader import TokenLoader  # noqa: E402
-from data.shards import list_shards, write_shard  # noqa: E402
+from data.loader import TokenLoader
+from data.shards import list_shards, write_shard
 
 
 def synthetic_shards(directory: Path, n_shards: int, tokens: int) -> list[str]:
@@ -97,7 +95,7 @@ def training_loop(loader, steps: int, step: SimulatedStep, device: torch.device,
     overhead is each round's (loader - resident) / loader, reported as the median and the range over rounds.
     The loader's thread fills its queue during a resident block: each loader block first runs `prefetched` steps
     untimed, which use up those batches at the step's pace (they came free, and a loader slower than the step
-    looked almost free, found by a review); taking them without steps instead stalled a fast loader once a round."""
+    looked almost free); taking them without steps instead stalled a fast loader once a round."""
     x, _ = loader.next_batch()
     step(x)
     waits, overheads, total = [], [], 0.0

@@ -1,6 +1,6 @@
 """Benchmark the fused LeakyReLU(0.5)^2 MLP against torch.compile of the reference and eager PyTorch.
 
-    python scripts/bench_mlp.py [--tokens 98304 --d-model 512 --hidden 1792 --rep-ms 200]
+    python -m scripts.bench_mlp [--tokens 98304 --d-model 512 --hidden 1792 --rep-ms 200]
 
 Times forward (training forward, inputs require grad), backward (torch.autograd.grad, timed alone after
 an untimed forward) and forward+backward in bf16 with CUDA events (medians), and reports TFLOP/s against
@@ -13,14 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from unittest import mock
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 

@@ -26,22 +26,20 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from data.files import write_atomic  # noqa: E402
-from quant.container import ArtifactError, load_artifact  # noqa: E402
-from data.loader import load_tokens  # noqa: E402
-from data.shards import ShardError, list_shards, require_disjoint  # noqa: E402
-from data.tokenizer import TokenizerError, build_byte_lut, file_sha256, load_sp  # noqa: E402
-from model.gpt import GPT  # noqa: E402
-from scripts.ablate import parse_variant, split_common  # noqa: E402
-from scripts.runlog import output_problem  # noqa: E402
-from scripts.evaluate import evaluate_artifact  # noqa: E402
-from training.config import ConfigError, load_config, to_dict  # noqa: E402
-from training.distributed import init_distributed  # noqa: E402
-from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit  # noqa: E402
-from training.export import export_model  # noqa: E402
+from data.files import write_atomic
+from quant.container import ArtifactError, load_artifact
+from data.loader import load_tokens
+from data.shards import ShardError, list_shards, require_disjoint
+from data.tokenizer import TokenizerError, build_byte_lut, file_sha256, load_sp
+from model.gpt import GPT
+from training.variants import parse_variant, split_common
+from training.run_log import output_problem
+from training.score import evaluate_artifact
+from training.config import ConfigError, load_config, to_dict
+from training.distributed import init_distributed
+from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit
+from training.export import export_model
 
 
 NO_WEIGHTS = ("{checkpoint}: no rank0.pt and not an artifact (hint: pass a step_NNNNNNNN folder written by train.py's "

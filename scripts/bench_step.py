@@ -1,17 +1,17 @@
 """Full training-step benchmark: tokens/s, ms/step, MFU and peak memory of the recipe's step.
 
-    python scripts/bench_step.py [--config configs/h100_short.toml] [--steps 30] [--warmup 5]
+    python -m scripts.bench_step [--config configs/h100_short.toml] [--steps 30] [--warmup 5]
                                  [--variants config-kernels,n4-kernels,n4-ref,n1-kernels,n1-ref | all]
                                  [--profile 3]
                                  [override ...]
-    torchrun --standalone --nproc_per_node=2 scripts/bench_step.py ... train.batch_tokens=196608
+    torchrun --standalone --nproc_per_node=2 -m scripts.bench_step ... train.batch_tokens=196608
 
 Each variant builds the config's model with a named mHC layout (config-kernels: the config's own; n4, n2:
 streams on every sublayer; n4-block, n2-block: around whole blocks; n1: none) and the Triton kernels on
 or off, compiles the step like train.py (train.compile), and times `--steps` optimizer steps on
 random tokens after `--warmup` steps (compilation happens there). Prints a markdown table.
 With --profile K, K more steps of each variant run under torch.profiler and the device time is
-broken down by kernel category and by kernel (scripts/step_profile.py), printed after the table.
+broken down by kernel category and by kernel (training/step_profile.py), printed after the table.
 
 Under torchrun every rank runs the same step as train.py does: gradient averaging and sharded Muon.
 tokens/s is the global rate. train.batch_tokens is the global batch, so pass N x 98,304 to keep each
@@ -27,15 +27,13 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
-from model.gpt import GPT  # noqa: E402
-from scripts.step_profile import format_tables, profile_steps  # noqa: E402
-from training.config import Config, ConfigError, load_config  # noqa: E402
-from training.distributed import DistInfo, destroy, init_distributed, print0  # noqa: E402
-from training.optim import build_optimizers  # noqa: E402
-from training.trainer import grad_accum_steps, peak_flops, train_step, training_flops_per_token  # noqa: E402
+from model.gpt import GPT
+from training.step_profile import format_tables, profile_steps
+from training.config import Config, ConfigError, load_config
+from training.distributed import DistInfo, destroy, init_distributed, print0
+from training.optim import build_optimizers
+from training.trainer import grad_accum_steps, peak_flops, train_step, training_flops_per_token
 
 # Each named variant fixes the whole mHC layout (streams, granularity, mHC blocks), so it means the same on
 # any config; "config-kernels" keeps the config's own layout (the recipe as shipped) with every kernel on.
@@ -48,7 +46,7 @@ VARIANTS = {
     "n4-ref": ["model.n_streams=4", *SUBLAYER_ALL, "model.mhc_kernels=false", "model.mlp_kernel=false"],
     "n1-kernels": ["model.n_streams=1", "model.mhc_blocks=0", "model.mlp_kernel=true"],
     "n1-ref": ["model.n_streams=1", "model.mhc_blocks=0", "model.mlp_kernel=false"],
-    # Cheaper mHC (GUIDE §4 levers): mHC around whole blocks (half the stream traffic), and 2 streams.
+    # Cheaper mHC: mHC around whole blocks (half the stream traffic), and 2 streams.
     "n4-block-kernels": ["model.n_streams=4", *BLOCK_ALL, *KERNELS],
     "n2-block-kernels": ["model.n_streams=2", *BLOCK_ALL, *KERNELS],
     "n2-kernels": ["model.n_streams=2", *SUBLAYER_ALL, *KERNELS],

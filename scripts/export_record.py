@@ -28,19 +28,17 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python scripts/export_record.py` as well as `python -m scripts.export_record`
-    sys.path.insert(0, str(REPO))
 
-from data.files import current_umask, write_atomic  # noqa: E402
-from quant.size import CAP_BYTES  # noqa: E402
-from scripts.record_rule import Scored, check_seeds_alike, final_problem, read_baseline, significance  # noqa: E402
-from scripts.reproduce import SeedResult, build_submission  # noqa: E402
-from scripts.runlog import LogFormatError, RunLogData, output_problem, parse_log  # noqa: E402
-from scripts.train_gpt_template import BOOTSTRAP  # noqa: E402
-from training.checkpoint import replace_folder  # noqa: E402
-from training.config import ConfigError, flat_config, load_config  # noqa: E402
-from training.run_log import git_commit  # noqa: E402
-from training.sources import (collect_modules, imported_names, module_sources,  # noqa: E402
+from data.files import current_umask, write_atomic
+from quant.size import CAP_BYTES
+from training.records import Scored, check_seeds_alike, final_problem, read_baseline, significance
+from training.records import SeedResult, build_submission
+from training.run_log import LogFormatError, RunLogData, output_problem, parse_log
+from training.record_script import BOOTSTRAP
+from training.checkpoint import replace_folder
+from training.config import ConfigError, flat_config, load_config
+from training.run_log import git_commit
+from training.sources import (collect_modules, imported_names, module_sources,
                               sources_digest)
 
 # May differ between the runs of one record: the seed, and where each machine kept its data (the record's config

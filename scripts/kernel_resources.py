@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of the mHC Triton kernels on a Hopper GPU, read without one.
 
-    python scripts/kernel_resources.py [--n 4] [--C 512] [--tokens 98304] [--sweep] [--arch 90]
+    python -m scripts.kernel_resources [--n 4] [--C 512] [--tokens 98304] [--sweep] [--arch 90]
 
 Each launcher of kernels/mhc_fwd.py and kernels/mhc_bwd.py runs on `meta` tensors with a launch shim
 that records the kernel, its arguments and its block configuration instead of running it. Every
@@ -19,17 +19,14 @@ import argparse
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
 from model.config import KERNEL_STREAMS
-from scripts.bench_kernels import SWEEP, default_configs  # the blocks bench_kernels times, and the defaults
+from kernels.mhc_blocks import SWEEP, default_configs  # the blocks bench_kernels times, and the defaults
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
           torch.int64: "i64"}

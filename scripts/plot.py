@@ -20,15 +20,13 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only; never needs a display
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python scripts/plot.py` as well as `python -m scripts.plot`
-    sys.path.insert(0, str(REPO))
 
-from data.files import write_atomic  # noqa: E402
-from scripts.runlog import LogFormatError, RunLogData, output_problem, parse_log  # noqa: E402
+from data.files import write_atomic
+from training.run_log import LogFormatError, RunLogData, output_problem, parse_log
 
 AXES = {"step": ("step", "step"), "time": ("train_time_s", "training time (s)"),
         "tokens": ("step", "training tokens (millions)")}  # tokens: step x train.batch_tokens

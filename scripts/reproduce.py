@@ -9,7 +9,7 @@ torch.distributed.run with --nproc-per-node) and is read back from its last stdo
 rule of the challenge: the mean val_loss must beat the baseline's by at least 0.005 nats, shown by a
 one-sided Welch t-test at p < 0.01 (printed beside the same test without the margin: better at all?).
 A failed run, or one over the 16,000,000-byte cap, makes the exit status non-zero and no submission.json
-is written. So does a baseline that cannot be compared with the seeds (scripts/record_rule.py: other
+is written. So does a baseline that cannot be compared with the seeds (training/records.py: other
 validation tokens, a repeated or failed baseline run); the logs stay, and --reuse compares them again.
 
 A seed whose log (<train.log_dir>/<run_id>.txt) already exists is refused up front: train.py appends to
@@ -31,86 +31,15 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from training.config import Config, ConfigError, flat_config, load_config, to_dict
+from training.records import (RECORD_MARGIN_NATS, ComparisonError, Scored, SeedResult, build_submission,
+                              check_one_stack, check_seeds_alike, final_problem, mean_std, read_baseline,
+                              significance, write_json_atomic)
+from training.run_log import LogFormatError, RunLogData, log_path, output_problem, parse_lines, parse_log, stream_run
+from training.sources import code_digest
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python scripts/reproduce.py` as well as `python -m scripts.reproduce`
-    sys.path.insert(0, str(REPO))
-
-from data.files import write_atomic  # noqa: E402
-from quant.size import CAP_BYTES  # noqa: E402
-from scripts.record_rule import (RECORD_MARGIN_NATS, ComparisonError, Scored, check_seeds_alike,  # noqa: E402
-                                 final_problem, read_baseline, significance)
-from scripts.runlog import (LogFormatError, RunLogData, output_problem, parse_lines, parse_log,  # noqa: E402
-                            stream_run)
-from scripts.stats import mean_std  # noqa: E402
-from training.config import Config, ConfigError, flat_config, load_config, to_dict  # noqa: E402
-from training.run_log import log_path  # noqa: E402
-from training.sources import code_digest  # noqa: E402
-
 SET_BY_SCRIPT = ("train.seed=", "train.run_id=")
-
-
-# ----- submission.json -----
-
-@dataclass
-class SeedResult:
-    seed: int
-    final: dict
-    versions: dict = field(default_factory=dict)
-    world_size: int = 1
-    code: str | None = None  # the digest of the code that ran (training.sources.code_digest); None in older logs
-
-
-def hardware(versions: dict, world_size: int) -> str:
-    gpu = versions.get("gpu")
-    return f"{world_size}x {gpu}" if gpu else f"cpu ({world_size} process{'es' if world_size > 1 else ''})"
-
-
-def check_one_stack(results: list) -> None:
-    """Runs that are compared, or summed into one submission, must share hardware and software versions
-    (SeedResult or SeedRun: seed, versions, world_size)."""
-    stacks = {json.dumps([hardware(r.versions, r.world_size), r.versions], sort_keys=True) for r in results}
-    if len(stacks) > 1:
-        raise ValueError("runs come from different hardware or software versions: "
-                         + "; ".join(f"seed {r.seed}: {hardware(r.versions, r.world_size)} {r.versions}" for r in results))
-
-
-def build_submission(name: str, github_id: str, results: list[SeedResult], *, code_bytes: int | None = None,
-                     significance_block: dict | None = None) -> dict:
-    """The challenge's submission.json. code_bytes replaces the runs' own count when the shipped code
-    differs from what the runs measured (a record folder ships one generated train_gpt.py). A seed over the cap,
-    counted with that code, is refused: the runs fitting under their own count is not enough."""
-    check_one_stack(results)
-    code = code_bytes if code_bytes is not None else max(r.final["code_bytes"] for r in results)
-    over = [r for r in results if r.final["artifact_bytes"] + code > CAP_BYTES]
-    if over:
-        raise ValueError(f"seed {over[0].seed}: artifact {over[0].final['artifact_bytes']:,} + code {code:,} bytes = "
-                         f"{over[0].final['artifact_bytes'] + code:,}, over the {CAP_BYTES:,}-byte cap (hint: the code "
-                         "counted is what ships, a record's train_gpt.py and config.toml, else the largest of the "
-                         "seeds' own counts: run the seeds on one checkout, under a quant.budget_bytes that leaves "
-                         "room for it)")
-    per_seed = {str(r.seed): {"run_id": r.final["run_id"], "val_bpb": r.final["val_bpb"],
-                              "val_loss": r.final["val_loss"], "pre_quant_val_bpb": r.final.get("pre_quant_val_bpb"),
-                              "steps": r.final["steps"], "train_time_s": r.final["train_time_s"],
-                              "artifact_bytes": r.final["artifact_bytes"],
-                              "bytes_total": r.final["artifact_bytes"] + code} for r in results}
-    bpb_mean, bpb_std = mean_std([r.final["val_bpb"] for r in results])
-    loss_mean, loss_std = mean_std([r.final["val_loss"] for r in results])
-    submission = {"name": name, "github_id": github_id, "val_bpb": bpb_mean, "val_loss": loss_mean,
-                  "val_bpb_std": bpb_std, "val_loss_std": loss_std,
-                  "bytes_total": max(s["bytes_total"] for s in per_seed.values()), "bytes_code": code,
-                  "seeds": [r.seed for r in results], "seed_results": per_seed,
-                  "code_digests": sorted({r.code or "unknown" for r in results}),
-                  "hardware": hardware(results[0].versions, results[0].world_size),
-                  "versions": {k: results[0].versions[k] for k in ("torch", "triton", "python", "cuda")
-                               if k in results[0].versions}}
-    if significance_block is not None:
-        submission["significance"] = significance_block
-    return submission
-
-
-def write_json_atomic(path: Path, value: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, (json.dumps(value, indent=2) + "\n").encode())
 
 
 # ----- running the seeds -----

@@ -49,7 +49,7 @@ def test_variants_are_checked_before_anything_runs(monkeypatch, tmp_path, capsys
 
 
 def test_gpus_overrides_and_out_are_checked_before_anything_runs(tmp_path, monkeypatch, capsys):
-    """Found by a review: --gpus 0,1 on a machine without them (or --gpus a, which hides every GPU) silently ran on
+    """--gpus 0,1 on a machine without them (or --gpus a, which hides every GPU) silently ran on
     the CPU; an unclosed quote in a variant was a traceback; an --out that cannot be written failed after every
     variant had trained."""
     monkeypatch.setattr(ablate, "run_all", lambda *a: pytest.fail("nothing may run"))
@@ -69,7 +69,7 @@ def test_gpus_overrides_and_out_are_checked_before_anything_runs(tmp_path, monke
 
 
 def test_output_paths_are_checked_by_trying_them(tmp_path):
-    from scripts.runlog import output_problem
+    from training.run_log import output_problem
     (tmp_path / "file").write_text("")
     assert output_problem(tmp_path / "new" / "deeper" / "x.json", folder=False) is None
     assert output_problem(tmp_path / "file", folder=True) == f"{tmp_path / 'file'} exists and is a file"
@@ -105,7 +105,7 @@ def test_each_gpu_slot_runs_one_variant_at_a_time(monkeypatch):
         v.returncode, v.final = 0, {"fits_cap": True, "steps": 10, "train_time_s": 2.0, "tokens_seen": 1000,
                                     "val_bpb": 1.5, "val_loss": 2.5, "pre_quant_val_bpb": 1.4, "total_bytes": 123}
     monkeypatch.setattr(ablate, "run_variant", fake_run)
-    variants = [ablate.parse_variant(f"v{i}=model.n_layers={i + 1}") for i in range(5)]
+    variants = [ablate.Variant(*ablate.parse_variant(f"v{i}=model.n_layers={i + 1}")) for i in range(5)]
     ablate.run_all(CONFIG, [], variants, ["0", "3"], "p")
     assert sorted(name for name, _, _ in seen) == [f"v{i}" for i in range(5)]
     assert {gpu for _, gpu, _ in seen} <= {"0", "3"} and all(cmd.startswith("train.run_id=p-v") for *_, cmd in seen)
@@ -121,7 +121,7 @@ def test_each_gpu_slot_runs_one_variant_at_a_time(monkeypatch):
     ({"val_bpb": 1.5, "val_loss": 2.5, "fits_cap": True, "total_bytes": 100}, None)])
 def test_a_variant_is_judged_as_the_record_rule_judges_a_run(final, status):
     """A NaN score, or a total over the challenge's cap under a raised quant.cap_bytes, showed as ok, and an export
-    that found no artifact as "over the byte cap" (found by a review)."""
+    that found no artifact as "over the byte cap"."""
     v = ablate.Variant("v", [])
     v.returncode, v.final = 0, final
     assert v.problem() == status or (status and status in v.problem())

@@ -8,7 +8,7 @@ from kernels import mhc_reference as R
 
 
 def test_bench_floor_bytes_are_the_stated_count():
-    from scripts.mhc_bytes import floor_bytes_per_token
+    from kernels.mhc_traffic import floor_bytes_per_token
     # n=4, C=512: fwd 10*C bf16 + 2*80 B coefficients + 100 B raw/inv_rms; bwd 15*C bf16 + 3*80 + 100
     assert floor_bytes_per_token(4, 512) == {"fwd": 10_500, "bwd": 15_700, "fwd+bwd": 26_200}
 
@@ -22,7 +22,7 @@ def test_bench_kernel_bytes_count_what_each_launch_of_the_unit_passes():
     from kernels.mhc_bwd import launch_coef_bwd, launch_dphi, launch_stream_bwd
     from kernels.mhc_fwd import launch_coef_premix
     from scripts.kernel_resources import Recorder, kernel_name
-    from scripts.mhc_bytes import design_bound, floor_bytes_per_token, kernel_bytes_per_token, stream_rows
+    from kernels.mhc_traffic import design_bound, floor_bytes_per_token, kernel_bytes_per_token, stream_rows
 
     T, C = 1000, 64
     for n in (2, 4):
@@ -47,7 +47,7 @@ def test_bench_kernel_bytes_count_what_each_launch_of_the_unit_passes():
             streams[name] = sum(a.numel() for a in stream.values()) // (T * C)
         assert {k: v for k, v in counted.items() if k != "coef_premix_pre"} == kernel_bytes_per_token(n, C)
         assert {k: v for k, v in streams.items() if k != "coef_bwd"} == stream_rows(n)
-    # n=4, C=512: 35,832 bytes, 1.37x the floor's 26,200 (docs/benchmarks.md, session 12)
+    # n=4, C=512: 35,832 bytes, 1.37x the floor's 26,200 (docs/kernels.md)
     assert sum(kernel_bytes_per_token(4, 512).values()) == 35_832
     assert floor_bytes_per_token(4, 512)["fwd"] == kernel_bytes_per_token(4, 512)["coef_premix"]
     assert design_bound(4, 512).endswith("sum 35832 = 1.37x the floor, so at copy bandwidth this design reaches "
@@ -55,7 +55,8 @@ def test_bench_kernel_bytes_count_what_each_launch_of_the_unit_passes():
 
 
 def test_bench_mhc_flags_parse_and_reject_bad_values(capsys):
-    from scripts.bench_kernels import SWEEP, parse_mhc_args
+    from kernels.mhc_blocks import SWEEP
+    from scripts.bench_kernels import parse_mhc_args
     args = parse_mhc_args([])
     assert (args.tokens, args.n, args.C, args.rep_ms, args.sweep) == ([32_768, 98_304], 4, 512, 200, [])
     args = parse_mhc_args(["--tokens", "100", "200", "--n", "8", "--C", "96", "--rep-ms", "5", "--sweep"])
@@ -79,7 +80,8 @@ def test_bench_mhc_flags_parse_and_reject_bad_values(capsys):
 
 @pytest.mark.parametrize("n", [4, 2])
 def test_bench_sweep_summary_compares_the_fastest_block_with_this_ns_default(n):
-    from scripts.bench_kernels import SWEEP, default_blocks, sweep_summary
+    from kernels.mhc_blocks import SWEEP, default_blocks
+    from scripts.bench_kernels import sweep_summary
     defaults = default_blocks(n)
     for name, configs in SWEEP.items():  # every default is a SWEEP row, so every sweep can compare with it
         assert defaults[name] in configs, name
@@ -101,11 +103,9 @@ def test_bench_dispatches_subcommands(capsys, monkeypatch):
         main([])
     with pytest.raises(SystemExit) as exit_info:  # the top-level help names both subcommands
         main(["--help"])
-    assert exit_info.value.code == 0 and "bench_kernels.py mhc" in capsys.readouterr().out
-    with pytest.raises(SystemExit) as exit_info:  # mlp lives in scripts/bench_mlp.py, with its own flags
+    assert exit_info.value.code == 0 and "scripts.bench_kernels mhc" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="the fused MLP's benchmark is python -m scripts.bench_mlp"):  # a tool of its own
         main(["mlp", "--help"])
-    usage = capsys.readouterr().out
-    assert exit_info.value.code == 0 and "--hidden" in usage and usage.startswith("usage: bench_kernels.py mlp ")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on a GPU machine
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         main(["mhc", "--tokens", "64"])
@@ -162,7 +162,7 @@ def test_gpu_bench_mhc_profile_once_runs_the_unit_and_times_nothing(capsys):
 
 def test_mhc_bytes_prints_what_the_floor_allows_per_step(capsys):
     """`python scripts/mhc_bytes.py`: README's arithmetic (n=4: 22 x 0.859 ms at the floor, a step of no less than
-    ~101 ms beside the 82.1 ms outside the mHC kernels, 1.13x the plain 89.1 ms; n=2 on session 8's profile) as a
+    ~101 ms beside the 82.1 ms outside the mHC kernels, 1.13x the plain 89.1 ms; n=2 on its own profile) as a
     command; bad values are refused by name."""
     from scripts import mhc_bytes
     mhc_bytes.main(["--n", "4", "--gbps", "2997", "--rest-ms", "82.1", "--plain-ms", "89.1"])

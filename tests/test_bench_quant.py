@@ -77,7 +77,7 @@ def test_only_quant_keys_may_vary_and_the_checkpoint_must_exist(checkpoint, tmp_
 
 def test_calibration_never_reads_a_validation_shard(checkpoint, demo_dir, tmp_path):
     """bench_quant calibrates and scores outside train.py, and skipped its checks: with data.train_files matching
-    the validation shard too, calibration read validation text (found by a review). It refuses now, before loading."""
+    the validation shard too, calibration read validation text. It refuses now, before loading."""
     ckpt, overrides = checkpoint
     with pytest.raises(SystemExit, match=r"bench_quant: .*fineweb_val_000000.bin is the validation shard"):
         bench_quant.main(["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(ckpt),

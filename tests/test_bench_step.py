@@ -30,10 +30,10 @@ def test_every_variant_runs_and_reports(capsys):
 def test_torchrun_times_the_distributed_step_and_reports_once():
     """2 gloo ranks, each a micro-batch of the global batch (as train.py splits it); rank 0 prints."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(bench_step.REPO / "scripts/bench_step.py"), "--config", str(bench_step.REPO / "configs/demo.toml"),
+           "-m", "scripts.bench_step", "--config", str(bench_step.REPO / "configs/demo.toml"),
            "--steps", "2", "--warmup", "1", "--variants", "n1-ref", *TINY, "train.batch_tokens=128"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=bench_step.REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| n1-ref |")]
     assert len(rows) == 1, done.stdout  # printed by rank 0 only
@@ -102,7 +102,7 @@ def test_unknown_variant_is_refused(capsys):
 
 def test_counts_and_a_missing_gpu_are_one_line_each(monkeypatch, capsys):
     """--steps 0 divided by zero and --steps -1 failed on an unbound name; train.device=cuda without a GPU was a
-    traceback from the process-group setup (found by a review)."""
+    traceback from the process-group setup."""
     monkeypatch.setattr(bench_step, "bench_variant", lambda *a, **k: pytest.fail("a variant ran"))
     for flags in (["--steps", "0"], ["--steps", "-1"], ["--warmup", "-1"]):
         with pytest.raises(SystemExit):

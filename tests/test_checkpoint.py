@@ -253,7 +253,7 @@ class Cursor:
 
 def test_a_resume_with_other_optimizer_settings_is_refused(tmp_path):
     """Loading a checkpoint restored its peak LRs, weight decay, Newton-Schulz steps and EMA settings over the
-    command line's, while the log recorded the command line's (found by a review): a run resumed with
+    command line's, while the log recorded the command line's: a run resumed with
     optim.matrix_lr=0.1 trained on at the old 0.025. Now the settings must agree; the same ones load."""
     import torch
     from model.gpt import GPT
@@ -309,7 +309,7 @@ def straight_record(corpus, tmp_path_factory) -> dict:
 def test_a_signal_after_training_keeps_the_trained_state_and_resume_scores_it(corpus, straight_record, tmp_path,
                                                                                monkeypatch, when, every):
     """A signal after the last step, while the run scored or exported, ended the process and lost the training
-    with train.checkpoint_every=0 (found by a walkthrough). Now the trained state is checkpointed (or found,
+    with train.checkpoint_every=0. Now the trained state is checkpointed (or found,
     when checkpoint_every > 0 wrote it already) before the run is scored, and train.resume=latest scores it with no
     step: the same record, bit for bit, as a run never stopped. On one rank the signal stops a scoring pass at its
     next batch; otherwise at the next phase."""
@@ -370,7 +370,7 @@ def test_a_second_signal_is_not_deferred(tmp_path, capfd):
 
 
 def test_a_resume_with_settings_of_another_trajectory_is_refused_in_one_line(corpus, tmp_path):
-    """Found by a walkthrough: resuming with another model gave a 40-line load_state_dict traceback, and with another
+    """Resuming with another model gave a 40-line load_state_dict traceback, and with another
     schedule or budget it went on silently under the new one. The checkpoint now holds the run's config; the keys
     its trajectory depends on must agree, while implementation switches (model.mhc_kernels ...) may change."""
     import train
@@ -412,7 +412,7 @@ def test_a_checkpoint_without_its_config_and_another_model_is_one_error(tmp_path
 
 
 def test_a_config_key_newer_than_the_checkpoint_does_not_refuse_it():
-    """Found by a review: a key on one side only compared as None against its value, so a field added to the config
+    """A key on one side only compared as None against its value, so a field added to the config
     since a checkpoint was written made every older checkpoint unresumable."""
     from training.checkpoint import trajectory_differences
     from training.config import Config, to_dict
@@ -426,7 +426,7 @@ def test_a_config_key_newer_than_the_checkpoint_does_not_refuse_it():
 
 
 def test_the_first_signal_with_stderr_gone_still_stops_the_run(tmp_path):
-    """Found by a review: the acknowledgement's os.write raised BrokenPipeError inside the handler when stderr's reader
+    """The acknowledgement's os.write raised BrokenPipeError inside the handler when stderr's reader
     had gone (Ctrl-C on `train.py 2>&1 | tee`), and the run died before it could checkpoint."""
     script = tmp_path / "child.py"
     script.write_text(
@@ -454,7 +454,7 @@ def test_refused_starts_leave_the_log_whole_and_a_finished_run_says_it_finished(
     repeated after the run finished trained again from the step-3 checkpoint and rewrote the artifact."""
     import train
     from scripts import plot
-    from scripts.runlog import parse_log
+    from training.run_log import parse_log
     from training import trainer
     from training.checkpoint import CheckpointError
     real, calls = trainer.train_step, []

@@ -48,7 +48,7 @@ def test_overrides_apply_after_the_file_with_types():
     ("eval.batch_seqs=0", "eval.batch_seqs=0 must be >= 1"),
     ("eval.max_tokens=1", "eval.max_tokens=1 scores no token: 0 (every token) or >= 2"),
     ("quant.cap_bytes=16000001", "quant.cap_bytes=16,000,001 is above the challenge's 16,000,000-byte cap"),
-    # the run id names files and a folder: a path put the log and artifact elsewhere (found by a review)
+    # the run id names files and a folder: a path put the log and artifact elsewhere
     ("train.run_id=../../escaped", "train.run_id='../../escaped': expected a name, not a path"),
     ("train.run_id=a/b", "train.run_id='a/b': expected a name, not a path"),
     ("train.run_id=..", "train.run_id='..': expected a name, not a path"),
@@ -149,7 +149,7 @@ def test_nan_and_degenerate_sizes_are_refused(override, message):
 
 
 def test_a_batch_that_does_not_divide_into_micro_batches_is_refused_when_the_config_loads():
-    """The hint said to change micro_batch_seqs even where no micro_batch_seqs could help (found by a review)."""
+    """The hint said to change micro_batch_seqs even where no micro_batch_seqs could help."""
     with pytest.raises(ConfigError, match=re.escape("train.batch_tokens=5000 is not a multiple of "
                                                     "train.micro_batch_seqs(8) x data.seq_len(256) = 2048 (hint: "
                                                     "train.batch_tokens must be a multiple of data.seq_len = 256, "
@@ -166,7 +166,7 @@ def test_time_schedule_needs_a_budget():
 
 
 def test_a_number_is_neither_a_boolean_nor_infinite(tmp_path):
-    """Found by a review: `matrix_lr = true` in a TOML file loaded as 1.0, and train.time_budget_s=inf passed the
+    """`matrix_lr = true` in a TOML file loaded as 1.0, and train.time_budget_s=inf passed the
     check that a time schedule has a budget (the warmdown then never began)."""
     toml = tmp_path / "c.toml"
     toml.write_text("[optim]\nmatrix_lr = true\n")

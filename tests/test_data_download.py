@@ -124,7 +124,7 @@ def test_download_places_verifies_and_resumes(hub, tmp_path):
 def test_a_damaged_file_of_the_right_size_is_fetched_again_and_good_files_are_not_reread(hub, tmp_path,
                                                                                         monkeypatch):
     """Only sizes and headers were checked: a shard with a damaged body, or a tokenizer overwritten with as many
-    bytes, counted as present (found by a review)."""
+    bytes, counted as present."""
     out = tmp_path / "data"
     dl.download("sp1024", 1, out, retries=1)
     shard = out / "datasets" / "fineweb10B_sp1024" / "fineweb_train_000000.bin"
@@ -188,7 +188,7 @@ def test_a_manifest_that_is_not_json_is_named_with_a_hint(hub, tmp_path):
 
 def test_a_pattern_that_an_unfinished_download_leaves_short_is_refused_until_it_finishes(hub, tmp_path):
     """A failed download left some shards in place, and a glob matched them: training used part of the set with no
-    word (a leftover of session 18). The folder now carries a marker with the command and the shards it expects; a
+    word (a leftover of an interrupted download). The folder now carries a marker with the command and the shards it expects; a
     pattern that matches a missing one is refused, others (the complete validation shards) pass."""
     from data.shards import DOWNLOAD_MARKER, ShardError, list_shards
     out = tmp_path / "my data"
@@ -211,7 +211,7 @@ def test_a_pattern_that_an_unfinished_download_leaves_short_is_refused_until_it_
     with pytest.raises(ShardError, match=r"has not finished fetching this folder: the pattern would read part"):
         list_shards(str(folder / "fineweb_val_*.bin"))
     # A larger request that failed, then a smaller one that finds all it asks for in place: the smaller one's
-    # success clears the larger one's marker (found by a review: it stayed and refused the shards)
+    # success clears the larger one's marker (it stayed and refused the shards)
     hub.fail_always = {"datasets/datasets/fineweb10B_sp1024/fineweb_train_000002.bin"}
     with pytest.raises(RuntimeError, match="could not download"):
         dl.download("sp1024", 3, out, retries=1)

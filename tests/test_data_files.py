@@ -53,9 +53,9 @@ def test_shards_tokenizer_artifacts_and_summaries_are_written_through_it():
     import quant.container
     import quant.export
     import scripts.export_record
-    import scripts.reproduce
+    import training.records
     for module in (data.prepare, data.shards, data.tokenizer, quant.container, quant.export, scripts.export_record,
-                   scripts.reproduce):
+                   training.records):
         assert module.write_atomic is write_atomic, module.__name__
 
 

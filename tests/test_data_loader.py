@@ -66,7 +66,7 @@ def test_one_pass_tiles_every_shard_once_and_ranks_are_disjoint(shards, world_si
 def test_ranks_get_equal_shares_and_stay_in_the_same_pass(shards):
     """Spare blocks of every shard went to the lowest ranks first: with 5 shards and 8 ranks the counts of pass 0
     were 32, 32, 31, 31, 31, 30, 28, 27, so ranks drifted into different passes and read the same tokens in one
-    step (found by a review). Each rank now gets the same count, pass after pass."""
+    step. Each rank now gets the same count, pass after pass."""
     files, _ = shards
     for p in range(4):
         counts = []
@@ -77,7 +77,7 @@ def test_ranks_get_equal_shares_and_stay_in_the_same_pass(shards):
 
 
 def test_a_loader_failure_is_named_and_every_later_call_fails_too(shards, tmp_path, monkeypatch):
-    """After the prefetch thread failed, a second next_batch() waited forever on an empty queue (found by a review).
+    """After the prefetch thread failed, a second next_batch() waited forever on an empty queue.
     A shard's own problem (an id outside the vocabulary, a file cut short while training, which under a memory map
     killed the process with SIGBUS) is named as a ShardError; other failures come wrapped, with their cause."""
     import threading
@@ -116,7 +116,7 @@ def test_a_loader_failure_is_named_and_every_later_call_fails_too(shards, tmp_pa
 
 def test_a_shard_too_short_for_one_sequence_is_left_out(shards, tmp_path):
     """data.prepare writes what is left into its last shard, which can be a few tokens: the loader refused the whole
-    set (found by a review). That shard is left out now and listed in `skipped`; train.py logs it."""
+    set. That shard is left out now and listed in `skipped`; train.py logs it."""
     files, _ = shards
     stub = tmp_path / "train_999999.bin"
     write_shard(stub, np.arange(3))
@@ -194,7 +194,7 @@ def test_state_from_another_setup_is_refused(shards):
 
 
 def test_a_state_of_other_shards_under_the_same_names_is_refused(shards, tmp_path):
-    """Found by a review: the state named its shards only, so shards rebuilt under the same names (another
+    """The state named its shards only, so shards rebuilt under the same names (another
     --shard-tokens, another corpus) resumed silently, cursors past a shard's new end skipping the rest of the pass."""
     files, _ = shards
     with TokenLoader(files, 16, batch_seqs=8, seed=2, prefetch=0) as a:
@@ -299,7 +299,7 @@ def test_cuda_path_matches_cpu_path(shards, prefetch):
 
 def test_a_shard_renamed_over_or_moved_keeps_training_from_its_map(tmp_path):
     """The size check named a shard that was replaced by a rename (what the hint recommends) or moved away, though
-    the memory map still held the intact file (found by a review of the check); an old single-rank state loads."""
+    the memory map still held the intact file; an old single-rank state loads."""
     path = tmp_path / "s.bin"
     write_shard(path, np.arange(5000))
     with TokenLoader([str(path)], 16, 2, prefetch=0) as reference:  # the same seed on a file left alone

@@ -169,7 +169,7 @@ def test_validation_text_never_reaches_the_training_split(demo_text, tmp_path):
     sp = spm.SentencePieceProcessor(model_file=model)
     train = documents(load_tokens(list_shards(str(tmp_path / "overlap" / "fineweb_train_*.bin"))), sp)
     assert train == docs[30:]
-    # Copies that differ in whitespace encode to the validation document's ids: copies too (found by a review)
+    # Copies that differ in whitespace encode to the validation document's ids: copies too
     variants = ["  " + t + "\t" for t in docs[:10]] + [t.replace(" ", "  ") for t in docs[10:20]] + docs[30:]
     (d / "variants.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in variants))
     m = prepare([str(d / "variants.jsonl")], model, tmp_path / "variants", val_inputs=[str(d / "val.jsonl")], workers=1)

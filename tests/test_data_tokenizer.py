@@ -147,7 +147,7 @@ def test_byte_lut_rules_on_official_tokenizer():
 
 
 def test_byte_counts_equal_decoded_utf8_on_real_documents():
-    """The audit from GUIDE section 2: BOS + tokens of a document, targets after BOS, sum == decoded bytes."""
+    """The byte audit: BOS + tokens of a document, targets after BOS, sum == decoded bytes."""
     needs_shared()
     sp = spm.SentencePieceProcessor(model_file=str(OFFICIAL))
     lut = build_byte_lut(sp)
@@ -200,7 +200,7 @@ def test_long_documents_are_cut_to_fit_the_trainer_not_skipped(tmp_path):
 
 def test_a_tokenizer_without_a_space_piece_is_refused(tmp_path):
     """Byte fallback would spell each space as the 3 bytes of U+2581: the byte table and the audit agree with each
-    other, and bits per byte is counted against the wrong text (GUIDE's list of mistakes)."""
+    other, and bits per byte is counted against the wrong text (a mistake that sank real submissions)."""
     from data.tokenizer import TokenizerError
     (tmp_path / "nospace.txt").write_text("\n".join("".join(line.split()) for line in corpus_lines(2000)) + "\n")
     with pytest.raises(TokenizerError, match="no '▁' piece"):

@@ -140,7 +140,7 @@ def test_artifact_trained_with_fa3_loads_where_fa3_is_missing(tmp_path, monkeypa
     from model.config import ModelConfig
     from model.gpt import GPT
     from quant.export import export_artifact
-    from scripts.evaluate import load_model
+    from training.score import load_model
     monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # FA3 import fails
     cfg = ModelConfig(vocab_size=64, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, n_streams=2)
     model = GPT(cfg)
@@ -181,7 +181,7 @@ def test_a_model_config_the_artifact_cannot_hold_is_refused_before_loading(tmp_p
     from model.gpt import GPT
     from quant.container import ArtifactError
     from quant.export import export_artifact
-    from scripts.evaluate import load_model, recorded_eval
+    from training.score import load_model, recorded_eval
     cfg = ModelConfig(vocab_size=64, n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, n_streams=2)
     good = tmp_path / "good.mhcg"
     export_artifact(GPT(cfg), [torch.randint(0, 64, (2, 16))], str(good), {"model_config": dataclasses.asdict(cfg),
@@ -205,7 +205,7 @@ def test_a_model_config_the_artifact_cannot_hold_is_refused_before_loading(tmp_p
                                          r"float32 \[8\]"),
         "vocab": (set_config(vocab_size=2 ** 27), r"its model config \(vocab_size 134217728, d_model 32, n_layers 1\) "
                                                   r"does not match its \d+ tensors \(embed.weight \[64, 32\]\)"),
-        # found by a review: these allocated gigabytes (the rotary tables are real tensors even in a shapes-only
+        # these allocated gigabytes (the rotary tables are real tensors even in a shapes-only
         # build), ran for minutes, or ended in an OverflowError or TypeError traceback
         "wide": (set_config(d_model=2 ** 20, n_heads=1, n_kv_heads=1), r"d_model 1048576.* does not match"),
         "deep": (set_config(n_layers=200_000), r"n_layers 200000\) does not match its \d+ tensors"),
@@ -223,7 +223,7 @@ def test_a_model_config_the_artifact_cannot_hold_is_refused_before_loading(tmp_p
 
 
 def test_a_forged_header_or_payload_is_one_error(tmp_path, monkeypatch):
-    """Found by a review: a 5,000-digit integer in the header was a bare ValueError from json, NaN scales loaded and
+    """A 5,000-digit integer in the header was a bare ValueError from json, NaN scales loaded and
     scored NaN as success, and a file of any size was read whole before any check."""
     import dataclasses
 
@@ -256,7 +256,7 @@ def test_a_forged_header_or_payload_is_one_error(tmp_path, monkeypatch):
 def test_scoring_defaults_to_what_the_run_recorded():
     """scripts.evaluate's --context/--stride/--max-tokens default to the artifact's eval_* values; a value
     given always wins (0 included); artifacts written before the record get EvalConfig's defaults."""
-    from scripts.evaluate import recorded_eval
+    from training.score import recorded_eval
     from training.config import EvalConfig
     meta = {"seq_len": 128, "eval_context": 96, "eval_stride": 32, "eval_max_tokens": 5000, "eval_batch_seqs": 7}
     got = recorded_eval(meta)
@@ -302,7 +302,7 @@ def test_the_command_line_names_bad_input_in_one_line(demo_dir, tmp_path, capsys
 
 
 def test_shards_of_a_larger_vocabulary_are_named_before_scoring(tiny_seed_runs, demo_dir, tmp_path):
-    """Found by a review: validation shards made with a larger tokenizer than --tokenizer crashed inside the byte
+    """Validation shards made with a larger tokenizer than --tokenizer crashed inside the byte
     table with an IndexError traceback; and the tokenizer check came after the byte audit."""
     from data.shards import write_shard
     from scripts import evaluate
@@ -318,14 +318,14 @@ def test_shards_of_a_larger_vocabulary_are_named_before_scoring(tiny_seed_runs, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_an_artifact_asking_for_kernels_its_shape_cannot_take_is_scored_by_the_reference(tmp_path):
-    """Found by a review: on a GPU such an artifact ended in check_streams' bare ValueError. The reference computes
+    """On a GPU such an artifact ended in check_streams' bare ValueError. The reference computes
     the same function, so scoring takes it."""
     import dataclasses
 
     from model.config import ModelConfig
     from model.gpt import GPT
     from quant.export import export_artifact
-    from scripts.evaluate import load_model
+    from training.score import load_model
     cfg = ModelConfig(vocab_size=64, n_layers=1, d_model=40, n_heads=4, n_kv_heads=2, n_streams=2)  # 40: not 16k
     meta = {"model_config": {**dataclasses.asdict(cfg), "mhc_kernels": True}, "tokenizer_sha256": "0" * 64}
     path = tmp_path / "a.mhcg"

@@ -57,9 +57,9 @@ def test_specialization_types_pointers_ints_and_constexprs_like_the_launcher():
 @pytest.mark.parametrize("arch", [None, 80])  # the default (sm_90, ptxas's sm_90a), and --arch for an A100
 def test_every_kernel_of_a_unit_compiles_and_reports_its_resources(arch):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(REPO / "scripts/kernel_resources.py"), "--n", "2", "--C", "64",
+    done = subprocess.run([sys.executable, "-m", "scripts.kernel_resources", "--n", "2", "--C", "64",
                            "--tokens", "256", *(["--arch", str(arch)] if arch else [])],
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
     if "needs Triton with its NVIDIA backend" in done.stderr:
         pytest.skip("this Triton has no NVIDIA backend")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -77,7 +77,7 @@ def test_sweep_plans_launch_each_row_as_the_benchmark_does(n):
     """Each SWEEP row replaces its kernel's default whole: the n=2 stream_bwd default (GP_SCRATCH) must not
     switch that path on in rows that leave it off. coef_premix's launch without the apply takes its own
     default and rows (coef_premix_pre)."""
-    from scripts.bench_kernels import SWEEP
+    from kernels.mhc_blocks import SWEEP
     plans = KR.launch_plans(n, sweep=True)
     assert plans[0] == KR.default_configs(n)
     for name, configs in SWEEP.items():
@@ -114,7 +114,7 @@ def test_interpreted_kernels_and_bad_arguments_are_refused(monkeypatch, capsys):
 
 
 def test_an_architecture_it_cannot_compile_for_is_refused_by_argparse():
-    """--arch 10 used to abort inside LLVM (exit 134, no Python message; found by a review)."""
-    done = subprocess.run([sys.executable, str(REPO / "scripts/kernel_resources.py"), "--arch", "10"],
-                          capture_output=True, text=True, timeout=120)
+    """--arch 10 used to abort inside LLVM (exit 134, no Python message)."""
+    done = subprocess.run([sys.executable, "-m", "scripts.kernel_resources", "--arch", "10"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 2 and "argument --arch: invalid choice: 10 (choose from 80, 86, 89, 90)" in done.stderr

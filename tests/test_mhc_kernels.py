@@ -207,7 +207,7 @@ def test_gpu_block_sizes_compute_what_the_cpu_ones_do(n):
 @pytest.mark.parametrize("n", [4, 2])
 def test_coef_premix_narrow_blocks_compute_what_the_plain_block_does(n):
     """Blocks with more tokens per program than the interpreter's default and a channel tile half as wide
-    (session 12's one-row-per-thread blocks, timed and dropped on an H100 in session 13) give the 16 x 32
+    (the one-row-per-thread blocks, timed and dropped on an H100) give the 16 x 32
     block's results up to the projection's summation order, with a partial token block (45 tokens) and three
     16-channel tiles, walked both ways by the zigzag passes, where the plain block has one and a half."""
     from kernels.mhc_fwd import launch_coef_premix
@@ -346,7 +346,7 @@ def test_bf16_cpu_streams_take_the_reference_not_the_interpreter():
 @interpreted
 def test_the_ops_saved_projections_are_not_differentiable():
     """raw and inv_rms leave the forward ops for the backward only; a gradient sent into them was dropped, so
-    autograd must not offer one (found by a review: (raw**2).sum().backward() left x.grad at zero)."""
+    autograd must not offer one: (raw**2).sum().backward() left x.grad at zero."""
     inp = make_inputs(4, 48, (5,))
     x = inp["x"].clone().requires_grad_()
     *_, raw, rinv = torch.ops.mhcgolf.mhc_pre_fwd(x, inp["phi"], inp["alpha"], inp["bias"], 20)
@@ -506,7 +506,7 @@ def test_gpu_stream_bwd_gp_scratch_matches_the_plain_kernel(n):
     """On the GPU the scratch round trip depends on the barriers (threads may reload what others stored):
     every GP_SCRATCH block of SWEEP gives the plain kernel's gradients up to G phi^T's bf16 rounding."""
     from kernels.mhc_bwd import launch_stream_bwd, stream_bwd_config
-    from scripts.bench_kernels import SWEEP
+    from kernels.mhc_blocks import SWEEP
     args = stream_bwd_args(n, 512, (3001,), device="cuda", dtype=torch.bfloat16)
     direct = lambda kernel: kernel  # noqa: E731
     plain = launch_stream_bwd(direct, *args, dict(stream_bwd_config(args[0].device, n), GP_SCRATCH=False))
@@ -525,7 +525,7 @@ def test_gpu_coef_premix_blocks_match_the_plain_kernel(n):
     outputs on the GPU, with the apply and without it: APPLY_PASS's pass 1 depends on the barrier after pass 0
     (threads read back x' that other threads wrote), and the wide defaults run near 255 registers."""
     from kernels.mhc_fwd import launch_coef_premix
-    from scripts.bench_kernels import SWEEP
+    from kernels.mhc_blocks import SWEEP
     inp = make_inputs(n, 512, (3001,), "cuda", torch.bfloat16)
     x, y, h_res, h_post, phi, alpha, bias = (inp[k] for k in ("x", "y", "h_res", "h_post", "phi", "alpha", "bias"))
     direct = lambda kernel: kernel  # noqa: E731

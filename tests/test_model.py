@@ -74,7 +74,7 @@ def test_h_res_is_doubly_stochastic():
 
 def test_reference_coefficients_are_fp32_under_autocast():
     """The reference's projection ran under the model's bf16 autocast and rounded raw to bf16 (0.014 off at unit
-    scale, found by a review), though its docstring said fp32; the Triton kernel keeps it in fp32."""
+    scale), though its docstring said fp32; the Triton kernel keeps it in fp32."""
     torch.manual_seed(0)
     n, C = 4, 16
     x = torch.randn(3, 7, n, C)
@@ -87,8 +87,8 @@ def test_reference_coefficients_are_fp32_under_autocast():
 
 
 def test_reference_apply_is_fp32_under_autocast():
-    """The apply's matmul ran in bf16 under autocast (H_res rounded, its rows summing to 1 only within 2e-3; found by
-    a review), though its docstring said fp32."""
+    """The apply's matmul ran in bf16 under autocast (H_res rounded, its rows summing to 1 only within 2e-3),
+    though its docstring said fp32."""
     from kernels.mhc_reference import mhc_apply
     torch.manual_seed(0)
     n, C = 4, 16
@@ -105,7 +105,7 @@ def test_reference_apply_is_fp32_under_autocast():
 def test_sinkhorn_of_large_logits_stays_finite():
     m = sinkhorn_knopp(torch.tensor([[[200.0, 0.0], [0.0, 200.0]]]), 20)
     assert torch.isfinite(m).all() and torch.allclose(m, torch.eye(2).unsqueeze(0), atol=1e-6)
-    # a row (or column) entirely ~90 below the max underflowed to zeros: 0/0 in the first round (found by a review)
+    # a row (or column) entirely ~90 below the max underflowed to zeros: 0/0 in the first round
     m = sinkhorn_knopp(torch.tensor([[[120.0, 0.0], [0.0, -10.0]]]), 20)
     assert torch.isfinite(m).all() and torch.allclose(m.sum(-2), torch.ones(1, 2))  # 20 rounds do not reach I
     logits = (torch.randn(2000, 4, 4, generator=torch.Generator().manual_seed(0)) * 40).requires_grad_()
@@ -371,7 +371,7 @@ def test_phi_is_stored_at_unit_scale_so_adam_steps_stay_small():
 def test_stream_readout_is_no_matrix_product():
     """The head's Σ_i w_i x_i over n streams: an einsum made it a matrix product with K = n (forward) and
     K = 1 (backward) over all B*T*C elements, which cuBLAS ran as GEMVs (3.1 ms of an n=4 H100 step)."""
-    from scripts.step_profile import GEMM_OPS
+    from training.step_profile import GEMM_OPS
     model = randomize_(GPT(tiny(n_streams=4)))
     idx = torch.randint(0, model.cfg.vocab_size, (2, 16))
     with torch.profiler.profile(record_shapes=True) as prof:

@@ -30,7 +30,7 @@ def fingerprint(t: torch.Tensor) -> float:
 # parameters, fingerprint of the initial parameters, fingerprint of randomize_(model)(tokens()).
 # mHC phi has since been stored at unit scale (used times phi_scale): the fingerprint is taken over the
 # projection the model computes with, which is unchanged.
-# n=4 re-measured in session 19: phi now draws from a generator of its own, so the other weights (and randomize_ after
+# n=4 re-measured once phi drew from a generator of its own, so the other weights (and randomize_ after
 # them) draw what n=1's do; before, (29, -6.684738389490956, 23.970796178406445).
 PRE_FEATURE_MODEL = {1: (16, -5.3265196567213335, 23.2206164659311),
                      4: (29, 14.714022953292275, -36.766300130113606)}
@@ -39,7 +39,7 @@ PRE_FEATURE_MODEL = {1: (16, -5.3265196567213335, 23.2206164659311),
 @pytest.mark.parametrize("layout", [dict(n_streams=4), dict(n_streams=2, mhc_blocks=2),
                                     dict(n_streams=4, mhc_granularity="block")])
 def test_a_seed_gives_every_mhc_layout_the_plain_networks_weights(layout):
-    """Found by a review: phi drew from the global RNG between the sublayers and the embedding, so the same seed gave
+    """Phi drew from the global RNG between the sublayers and the embedding, so the same seed gave
     the plain network and each mHC layout different weights, and a same-seed comparison of layouts was not paired."""
     torch.manual_seed(0)
     plain = dict(GPT(tiny(n_streams=1, n_layers=3, **{k: v for k, v in ALL_ON.items() if k != "xsa_layers"}))
@@ -51,7 +51,7 @@ def test_a_seed_gives_every_mhc_layout_the_plain_networks_weights(layout):
     for name, tensor in mhc.named_parameters():
         if name in plain:
             assert torch.equal(tensor, plain[name]), name
-    # phi is a draw of its own (found by a review: drawn under a fork of the global RNG, its numbers came again at once,
+    # phi is a draw of its own (drawn under a fork of the global RNG, its numbers came again at once,
     # and the first mHC unit's phi was a scaled copy of the embedding's first rows)
     torch.manual_seed(0)
     bare = GPT(tiny(n_layers=3, **layout))  # no options: the embedding draws right after the sublayers
@@ -202,8 +202,7 @@ def test_unet_decoder_block_receives_its_mirror_encoder_block(n_streams, blocks,
     """5 blocks: encoder 0-1, decoder 2-4; block 2 <- encoder 1, block 3 <- encoder 0, block 4 none.
     The skip is the state after encoder block i, which is block i+1's input: the residual x on the plain
     path, the pre-mix u of the next unit (or the readout after the last mHC block) with mHC. (mHC used to
-    carry block i's own input u instead, so it did not start as the plain network with skips; found by a
-    review.) With mhc_blocks=3 the encoder and block 2 have mHC and block 3 is plain; with mhc_blocks=1 the
+    carry block i's own input u instead, so it did not start as the plain network with skips.) With mhc_blocks=3 the encoder and block 2 have mHC and block 3 is plain; with mhc_blocks=1 the
     split is inside the encoder: block 0's state is the readout that plain block 1 reads."""
     torch.manual_seed(0)
     model = randomize_(GPT(tiny(n_layers=5, n_streams=n_streams, unet_skips=True, mhc_blocks=blocks,

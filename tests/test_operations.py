@@ -70,7 +70,7 @@ def tiny_cfg(*extra):
 def test_an_inf_gradient_under_a_finite_loss_never_reaches_a_checkpoint(tmp_path, monkeypatch):
     """The check before a save looked at the loss only, which is computed before the step's update: an inf gradient
     with a finite loss made NaN weights (clipping scales by 0 x inf), the checkpoint held them, and the older good
-    ones were pruned (found by a review). The weights and EMA are checked too now."""
+    ones were pruned. The weights and EMA are checked too now."""
     from training import trainer
     cfg = tiny_cfg("optim.ema_decay=0.9")
     torch.manual_seed(0)
@@ -99,7 +99,7 @@ def test_an_inf_gradient_under_a_finite_loss_never_reaches_a_checkpoint(tmp_path
 
 def test_a_run_stopped_between_log_steps_logs_and_checks_its_last_step(tmp_path):
     """The last steps before a stop between log steps were neither logged nor checked: a loss gone NaN there reached
-    the pre-quantization eval and the quantizer, which named no step (found by a review)."""
+    the pre-quantization eval and the quantizer, which named no step."""
     cfg = tiny_cfg("train.max_steps=7", "train.log_every=5")
     torch.manual_seed(0)
     model = GPT(cfg.model)

@@ -1,10 +1,10 @@
-"""scripts.plot and scripts.runlog on logs written by the real RunLog (same format as train.py's)."""
+"""scripts.plot and training.run_log on logs written by the real RunLog (same format as train.py's)."""
 from pathlib import Path
 
 import pytest
 
 from scripts import plot
-from scripts.runlog import LogFormatError, parse_lines, parse_log
+from training.run_log import LogFormatError, parse_lines, parse_log
 from training.run_log import RunLog
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -70,7 +70,7 @@ def test_a_run_appended_after_a_finished_one_has_no_final_yet():
 
 def test_a_run_id_used_again_starts_afresh_and_a_resume_continues():
     """A re-run appended to a log (a run_id used again, train.resume empty) used to keep the earlier run's evals:
-    a crashed re-run was plotted with the earlier run's artifact score (found by a review). A resumed run keeps the
+    a crashed re-run was plotted with the earlier run's artifact score. A resumed run keeps the
     trajectory and drops only the end-of-run evals of the process it continues."""
     first = ['config {"train": {"seed": 1, "resume": ""}}', 'step {"step": 50, "loss": 3.0}',
              'eval {"step": 50, "val_bpb": 1.9}', 'eval {"stage": "artifact", "val_bpb": 1.5}', 'final {"val_bpb": 1.5}']
@@ -99,7 +99,7 @@ def test_bad_json_names_file_and_line():
 
 def test_a_record_without_a_field_the_plots_read_is_named(tmp_path, capsys):
     """A step line without its loss, an eval without its val_bpb, or a record without the training time the time
-    axis needs ended in a bare KeyError that named neither file nor line (found by a review)."""
+    axis needs ended in a bare KeyError that named neither file nor line."""
     with pytest.raises(LogFormatError, match=r"cut.txt:2: `step` record has no 'loss' field"):
         parse_lines(['step {"step": 1, "loss": 5.0}', 'step {"step": 2, "lr_mult": 1.0}'], "cut.txt")
     with pytest.raises(LogFormatError, match=r"cut.txt:1: `eval` record has no 'val_bpb' field"):
@@ -208,7 +208,7 @@ def test_plots_of_real_train_py_logs(tiny_seed_runs, tmp_path, capsys):
 
 
 def test_one_point_shows_and_nan_points_are_left_out(tmp_path, capsys):
-    """Found by a review: a log with one step drew an invisible line (no marker), and a diverged run's NaN scores
+    """A log with one step drew an invisible line (no marker), and a diverged run's NaN scores
     made empty BPB plots without a word. NaN points are left out; a run with nothing finite is named."""
     one = parse_log(write_log(tmp_path / "one.txt", "one", [3.0], final_bpb=2.0))
     nan = float("nan")
@@ -226,7 +226,7 @@ def test_one_point_shows_and_nan_points_are_left_out(tmp_path, capsys):
 
 
 def test_the_code_digest_is_that_of_every_process_of_the_kept_run():
-    """Found by a review: only the last `run` header's digest was kept, so a run trained under one code and resumed
+    """Only the last `run` header's digest was kept, so a run trained under one code and resumed
     (or only scored) under another passed as the other's."""
     a, b = "a" * 16, "b" * 16
 
@@ -246,7 +246,7 @@ def test_the_code_digest_is_that_of_every_process_of_the_kept_run():
 
 @pytest.mark.parametrize("sent", ["SIGTERM", "SIGHUP"])  # SIGHUP (a closed terminal) goes on as SIGTERM
 def test_a_stop_signal_reaches_the_command_once_and_its_output_is_read_to_the_end(tmp_path, sent):
-    """Found by a walkthrough: Ctrl-C killed scripts.reproduce's reader, and train.py then died in its next log line on
+    """Ctrl-C killed scripts.reproduce's reader, and train.py then died in its next log line on
     the closed pipe, losing the seed; SIGTERM to the reader alone left train.py training with nobody reading. The
     reader now passes the signal on (the command runs in a session of its own, so a terminal's Ctrl-C reaches it
     once) and reads its output until it exits."""
@@ -255,7 +255,7 @@ def test_a_stop_signal_reaches_the_command_once_and_its_output_is_read_to_the_en
     import sys
     import threading
 
-    from scripts.runlog import stream_run
+    from training.run_log import stream_run
     child = tmp_path / "child.py"
     child.write_text(
         "import os, signal, sys, time\n"

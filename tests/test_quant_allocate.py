@@ -122,7 +122,7 @@ def test_the_bytes_a_prefix_leaves_are_filled_in_its_order():
 
 
 def test_the_fill_takes_no_step_that_adds_error_and_rebuilds_nothing_it_measured():
-    """Found by a review: a matrix GPTQ fits no better at int6 (sensitivity <= 0) went to int6 when bytes were left;
+    """A matrix GPTQ fits no better at int6 (sensitivity <= 0) went to int6 when bytes were left;
     and the fill rebuilt assignments the search had measured already."""
     numel = {"a": 100, "b": 10}
     chunk = lambda name, bits: numel[name] + (numel[name] // 5 if bits == 6 else 0)  # noqa: E731

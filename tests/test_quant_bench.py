@@ -1,14 +1,8 @@
 """scripts/bench_compress.py: every flag, on tiny inputs."""
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_compress.py"
-spec = importlib.util.spec_from_file_location("bench_compress", SCRIPT)
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from scripts import bench_compress as bench
 
 TINY = ["--layers", "1", "--d-model", "32", "--mlp-mult", "2", "--vocab", "48", "--heads", "4", "--kv-heads", "2"]
 
@@ -56,7 +50,7 @@ def test_bad_inputs(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--synthetic", "--widths", "4"])
     assert "--widths [4]: expected a comma-separated subset of (5, 6)" in capsys.readouterr().err
-    # each of these was a traceback or accepted silently (found by a review)
+    # each of these was a traceback or accepted silently
     for flags, says in ((["--widths", "a"], "--widths 'a': expected comma-separated integers"),
                         (["--widths", ""], "--widths '': expected comma-separated integers"),
                         (["--vocab", "0"], "--vocab 0: sizes must be > 0"),

@@ -178,7 +178,7 @@ def artifact_of(tensors: list[tuple[dict, bytes]], codec: str = "brotli", header
 
 
 def test_a_forged_file_cannot_balloon_or_slip_through(tmp_path):
-    """Found by a review, each with a valid sha256: a small chunk that decompresses to 64 MiB for a tensor declared
+    """A small chunk that decompresses to 64 MiB for a tensor declared
     at 128 bytes (decompressed whole before the size was compared); tensors declared at gigabytes; a shape whose
     element count wraps around in int64 (np.prod gave 0), or whose product of huge dimensions took minutes; a header
     nested 200,000 deep (RecursionError traceback);

@@ -1,4 +1,4 @@
-"""scripts.reproduce and scripts.stats: statistics (against closed forms and scipy), the record rule on
+"""scripts.reproduce and training.records: statistics (against closed forms and scipy), the record rule on
 synthetic logs, submission.json, the commands, real tiny CPU runs (two seeds, one failing run), and seeds
 read back from their logs (--reuse)."""
 import json
@@ -13,10 +13,11 @@ import pytest
 
 from conftest import REPO, TINY_SEEDS, tiny_run_overrides
 from scripts import export_record, reproduce
-from scripts.record_rule import ComparisonError, Scored, read_baseline, significance
-from scripts.reproduce import SeedResult, SeedRun, build_submission
-from scripts.runlog import parse_log
-from scripts.stats import betainc_regularized, student_t_sf, welch_one_sided
+from training.records import ComparisonError, Scored, read_baseline, significance
+from scripts.reproduce import SeedRun
+from training.records import SeedResult, build_submission
+from training.run_log import parse_log
+from training.records import betainc_regularized, student_t_sf, welch_one_sided
 
 
 # ----- statistics -----
@@ -66,7 +67,7 @@ def test_welch_edge_cases():
     for base, cand in (([1.0, 1.0], [0.995, 0.995]), ([2.0, 2.0], [1.995, 1.995]), ([2.0, 2.0], [2.0, 2.0])):
         with pytest.raises(ValueError, match="needs spread on each side: every baseline and every candidate run"):
             welch_one_sided(base, cand, 0.005)
-    # Nor on one side (found by a review): three copies of one candidate run, against a baseline with spread, passed
+    # Nor on one side: three copies of one candidate run, against a baseline with spread, passed
     # the record rule at p 0.002 on the baseline's spread alone. Identical runs are one sample.
     with pytest.raises(ValueError, match="every candidate run has the same value"):
         welch_one_sided([2.23, 2.225, 2.227], [2.2, 2.2, 2.2], 0.005)
@@ -190,7 +191,7 @@ def test_submission_fields():
     assert sub["code_digests"] == ["unknown"]  # SeedResults without a digest (logs from before it)
     digests = [SeedResult(r.seed, r.final, gpu, 8, code) for r, code in zip(results, ("b" * 16, "a" * 16))]
     assert build_submission("mhc", "me", digests)["code_digests"] == ["a" * 16, "b" * 16]
-    # Every seed fit under its own count, but with the largest code counted one does not (found by a review: seeds
+    # Every seed fit under its own count, but with the largest code counted one does not (seeds
     # reused from other code, 15,993,686 and 15,908,547 bytes, made a 16,003,547-byte submission).
     near = [SeedResult(1, final(1, 1.9, 15_993_686 - 60_000), gpu, 8),
             SeedResult(2, {**final(2, 1.9, 15_908_547 - 150_000), "code_bytes": 150_000}, gpu, 8)]
@@ -199,7 +200,7 @@ def test_submission_fields():
         build_submission("mhc", "me", near)
 
 
-# docs/run_logs/README.md: (n_streams, mhc_blocks), val_bpb per seed, and the mean docs/benchmarks.md quotes.
+# docs/run_logs/README.md: (n_streams, mhc_blocks), val_bpb per seed, and the mean docs/journal.md quotes.
 KEPT_GPU_LOGS = {
     "n1": ((1, 0), {1337: 1.3139540611233271, 42: 1.3106258461496454, 2025: 1.3121527697526691}, 1.31224),
     "n2k3": ((2, 3), {1337: 1.3113889330099047, 42: 1.314503399280887, 2025: 1.311754911793264}, 1.31255),
@@ -213,9 +214,9 @@ def kept_gpu_log_paths(name: str) -> list[Path]:
 
 @pytest.mark.parametrize("name", sorted(KEPT_GPU_LOGS))
 def test_the_kept_h100_logs_make_one_submission(name):
-    """The GPU logs kept in docs/run_logs (train.py's own output on an H100, read by a later session's
+    """The GPU logs kept in docs/run_logs (train.py's own output on an H100, read by a later
     comparison as --baseline or through --reuse) still parse as finished single-GPU runs of one software
-    stack and layout, and give the val_bpb that docs/benchmarks.md quotes."""
+    stack and layout, and give the val_bpb that docs/journal.md quotes."""
     (n_streams, mhc_blocks), per_seed, mean_bpb = KEPT_GPU_LOGS[name]
     results = []
     for (seed, val_bpb), path in zip(per_seed.items(), kept_gpu_log_paths(name)):
@@ -242,7 +243,7 @@ def test_the_kept_layouts_compare_as_reproduce_reported():
     # and no gain at all: the README's t -0.22 (p 0.58) for "any improvement"
     gain = sig["any_improvement"]
     assert gain["t"] == pytest.approx(-0.2217, abs=1e-4) and gain["p_value"] == pytest.approx(0.5823, abs=1e-4)
-    # session 17's runs of the shipped layout with the U-Net skips rewired, as reproduce printed them on the H100
+    # the runs of the shipped layout with the U-Net skips rewired, as reproduce printed them on the H100
     rewired = significance(read_baseline([str(p) for p in kept_gpu_log_paths("unet17")]), baseline)
     assert rewired["improvement_nats"] == pytest.approx(-0.00165, abs=1e-5) and not rewired["is_record"]
     assert rewired["t"] == pytest.approx(-2.898, abs=1e-3) and rewired["p_value"] == pytest.approx(0.9779, abs=1e-4)
@@ -522,8 +523,8 @@ def test_an_unfinished_log_is_refused_unless_the_run_resumes(tiny_seed_runs, dem
 
 
 def test_reuse_refuses_a_log_of_other_code_unless_allowed(tiny_seed_runs, demo_dir, tmp_path, monkeypatch, capsys):
-    """--reuse counted logs of any code: three seeds run at two commits (one of them +dirty) made one submission
-    (found by a review). A log's code digest must be the checkout's, unless --allow-other-code, and submission.json
+    """--reuse counted logs of any code: three seeds run at two commits (one of them +dirty) made one submission.
+    A log's code digest must be the checkout's, unless --allow-other-code, and submission.json
     lists the digests."""
     no_run(monkeypatch)
 
@@ -543,7 +544,7 @@ def test_reuse_refuses_a_log_of_other_code_unless_allowed(tiny_seed_runs, demo_d
 def test_seeds_scored_on_other_validation_text_make_no_submission(tiny_seed_runs, demo_dir, tmp_path, monkeypatch,
                                                                   capsys):
     """Without --baseline the seeds' own scoring was never compared: a seed scored on another machine's shard
-    was averaged in (found by a review)."""
+    was averaged in."""
     no_run(monkeypatch)
 
     def other_text(seed, text):
@@ -563,7 +564,7 @@ def test_seeds_scored_on_other_validation_text_make_no_submission(tiny_seed_runs
 
 
 def test_reuse_counts_seeds_whose_data_sat_at_other_paths(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
-    """Found by a walkthrough: seeds run on another machine, where the same shards sit at another path, were refused
+    """Seeds run on another machine, where the same shards sit at another path, were refused
     as runs of another config, against the README's several-machines recipe. What they scored is compared instead."""
     no_run(monkeypatch)
 
@@ -579,7 +580,7 @@ def test_reuse_counts_seeds_whose_data_sat_at_other_paths(tiny_seed_runs, demo_d
 
 def test_seeds_trained_on_other_shards_make_no_submission_nor_record(tiny_seed_runs, demo_dir, tmp_path, monkeypatch,
                                                                      capsys):
-    """Found by a review: with data paths free to differ between machines, a seed trained on 10 shards and one on 80
+    """With data paths free to differ between machines, a seed trained on 10 shards and one on 80
     counted as one submission. Each run's final line says how many shards of how many bytes it trained on."""
     no_run(monkeypatch)
     assert json.loads(tiny_seed_runs.logs[0].read_text().splitlines()[-1][6:])["train_shards"] >= 1
@@ -605,7 +606,7 @@ def test_seeds_trained_on_other_shards_of_the_same_sizes_are_told_apart(tiny_see
     """Shard count and bytes cannot tell FineWeb's shards 0-79 from 80-159 (100M tokens each): runs also log a
     digest sampled from each shard's head and tail, and the seed tools compare it."""
     from data.shards import file_sample, sample_digest, write_shard
-    from scripts.record_rule import ComparisonError, check_trained_alike
+    from training.records import ComparisonError, check_trained_alike
     finals = [json.loads(log.read_text().splitlines()[-1][6:]) for log in tiny_seed_runs.logs]
     assert len({f["train_data_digest"] for f in finals}) == 1 and len(finals[0]["train_data_digest"]) == 16
     a, b = tmp_path / "a.bin", tmp_path / "b.bin"

@@ -1,9 +1,10 @@
-"""scripts/step_profile.py: kernel names to categories, per-step tables, and bench_step --profile end to end."""
+"""training/step_profile.py: kernel names to categories, per-step tables, and bench_step --profile end to end."""
 import pytest
 import torch
 
-from scripts import bench_step, step_profile
-from scripts.step_profile import OTHER, category, format_tables, summarize
+from scripts import bench_step
+from training import step_profile
+from training.step_profile import OTHER, category, format_tables, summarize
 
 # Kernel names as an H100 trace of the compiled step shows them (torch 2.11, triton 3.6).
 NAMES = {
@@ -59,7 +60,7 @@ def test_gpu_profile_reads_kernel_times_from_the_device():
 
 def test_device_annotations_are_not_counted_as_kernels():
     """torch.compile puts a "## Call CompiledFxGraph ... ##" range on the device timeline around each graph
-    call: counted as a kernel, it doubled the device time of a compiled step (H100, session 7)."""
+    call: counted as a kernel, it doubled the device time of a compiled step (H100)."""
     from types import SimpleNamespace as E
     cuda = torch.autograd.DeviceType.CUDA
     span = lambda us: E(elapsed_us=lambda: us)  # noqa: E731

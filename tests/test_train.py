@@ -16,7 +16,7 @@ from conftest import FakeWandb
 from data.shards import ShardError
 from model.gpt import GPT
 from quant.container import load_artifact
-from scripts.runlog import parse_log
+from training.run_log import parse_log
 from training.config import ConfigError, load_config
 from training.optim import build_optimizers
 from training.trainer import grad_accum_steps, train_step
@@ -126,7 +126,7 @@ def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path,
 
 def test_calibration_on_training_tokens_is_checked_against_the_budget():
     """Training plus calibration must fit in train.time_budget_s. The check compared calibration with
-    quant.calib_reserve_s alone, so a run stopped early by train.max_steps failed it (found by a review)."""
+    quant.calib_reserve_s alone, so a run stopped early by train.max_steps failed it."""
     from training.export import calibration_within_budget
     demo = REPO / "configs/demo.toml"
     cfg = load_config(demo, ["train.time_budget_s=60", "quant.calib_reserve_s=5"])
@@ -169,7 +169,7 @@ def test_a_reused_run_id_and_a_run_ending_inside_warmup_are_said(demo_dir, tmp_p
 
 
 def test_the_warmdown_follows_whichever_limit_ends_the_run(demo_dir, tmp_path, capsys):
-    """Found by a review: with train.schedule=time a run that train.max_steps ended first never warmed down (its
+    """With train.schedule=time a run that train.max_steps ended first never warmed down (its
     EMA shipped un-annealed weights), and with schedule=steps a run the budget ended did so without a word. And
     quant.calib_reserve_s came off the training budget even when calibration reads no training tokens."""
     import train
@@ -301,7 +301,7 @@ def test_artifact_over_the_cap_is_never_reported_as_success(demo_dir, tmp_path, 
     ("quant.cap_bytes=90000", "quant.margin_bytes=20,000 with"),      # less than the code itself
     ("quant.budget_bytes=15900000", "quant.budget_bytes=15,900,000 with")])
 def test_a_budget_that_cannot_fit_beside_the_code_stops_the_run_at_setup(demo_dir, tmp_path, override, says):
-    """Found by a review: a quant.budget_bytes above what the cap leaves beside the code trained the whole budget
+    """A quant.budget_bytes above what the cap leaves beside the code trained the whole budget
     and failed only at the export (a cap below the code did too)."""
     import train
     with pytest.raises(ConfigError, match=rf"{says} [\d,]+ bytes of counted code leaves an artifact budget of "
@@ -357,7 +357,7 @@ def test_validation_shards_that_are_also_training_shards_are_refused(demo_dir, t
                                         (shutil.copyfile, "an identical copy")], ids=["hard_link", "symlink", "copy"])
 def test_a_validation_shard_under_another_name_is_refused(demo_dir, tmp_path, link, kind):
     """The check compared real paths: a hard link to the validation shard, or a copy of it, among the training
-    shards passed (found by a review). Training and calibration would have read validation text."""
+    shards passed. Training and calibration would have read validation text."""
     import train
     train_dir = tmp_path / "train"
     train_dir.mkdir()
@@ -384,7 +384,7 @@ def test_shapes_the_mhc_kernels_cannot_take_are_refused_at_setup_on_a_gpu(demo_d
 @pytest.mark.parametrize("tokens,message", [([1], "1 validation token(s) leave no target to score"),
                                             ([1, 1, 1], "the 2 validation targets decode to no bytes")])
 def test_validation_with_nothing_to_score_is_refused_at_setup(demo_dir, tmp_path, tokens, message):
-    """It trained the whole budget, then divided by zero in the evaluation (found by a review)."""
+    """It trained the whole budget, then divided by zero in the evaluation."""
     import numpy as np
 
     import train
@@ -533,7 +533,7 @@ def test_periodic_eval_self_generated_calibration_and_compile(demo_dir, tmp_path
 
 
 def test_shards_made_with_another_tokenizer_are_refused_at_setup(demo_dir, tmp_path):
-    """Found by a walkthrough: validation shards of another demo corpus (another tokenizer) were scored with no word:
+    """Validation shards of another demo corpus (another tokenizer) were scored with no word:
     the byte audit decodes with the tokenizer it is given, so it agreed with itself. The shard folder's manifest
     names its tokenizer."""
     import train

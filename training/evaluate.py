@@ -52,7 +52,7 @@ def plan_windows(n_tokens: int, context: int, stride: int) -> list[Window]:
 
 
 def target_bytes(tokens: torch.Tensor, lut: ByteLUT) -> torch.Tensor:
-    """Bytes of targets tokens[1:] given their previous tokens (GUIDE §2), int64 [n-1]."""
+    """Bytes of targets tokens[1:] given their previous tokens (docs/legality.md, bits per byte), int64 [n-1]."""
     base = torch.as_tensor(lut.base_bytes, dtype=torch.int64)
     space = torch.as_tensor(lut.has_leading_space, dtype=torch.bool)
     boundary = torch.as_tensor(lut.is_boundary, dtype=torch.bool)
@@ -65,7 +65,7 @@ def audit_bytes(tokens: np.ndarray, sp, lut: ByteLUT, bos_id: int = 1) -> tuple[
 
     Both must match: a byte-accounting bug inflates or deflates BPB silently. When the tokens end inside a
     character spelled in byte-fallback pieces (eval.max_tokens cut there), those pieces are left out of both sides:
-    decoded, they would be one U+FFFD of 3 bytes, not the 1-3 bytes counted (found by a review).
+    decoded, they would be one U+FFFD of 3 bytes, not the 1-3 bytes counted.
     """
     counted = int(target_bytes(torch.from_numpy(tokens.astype(np.int64)), lut).sum())
     decoded = 0

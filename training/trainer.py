@@ -181,7 +181,7 @@ def global_loss(loss: torch.Tensor) -> torch.Tensor:
 
 
 # A resume repeats the run's steps exactly and refuses changed optim settings (they define the run), so the way out
-# of a divergence is a new run (found by a review: the hint said to resume with a lower learning rate).
+# of a divergence is a new run (the hint said to resume with a lower learning rate).
 DIVERGENCE_HINT = ("hint: lower optim.matrix_lr or optim.grad_clip and start again under a new train.run_id; a resume "
                    "keeps this run's settings and would repeat the same steps")
 

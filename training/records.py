@@ -5,16 +5,102 @@ independent seeds. val_loss is nats per validation token, so two runs compare on
 validation tokens: the same text, the same tokenizer, the whole validation set. train.py's final line says what a
 run scored (`tokens`, and `bytes`, the UTF-8 bytes those tokens decode to), and both must agree on every run of
 both sides. Used by scripts/reproduce.py and scripts/export_record.py.
+
+Also here: the statistics (mean and sample standard deviation; Welch's one-sided t-test with its Student-t tail
+computed here, agreeing with scipy.stats where that is importable, so nothing needs scipy) and submission.json.
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from data.files import write_atomic
 from quant.size import CAP_BYTES
-from scripts.runlog import RunLogData, parse_log
-from scripts.stats import mean_std, welch_one_sided
+from training.run_log import RunLogData, parse_log
+
+
+# -- statistics ---------------------------------------------------------------------------------------
+
+
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (None for a single value)."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, None
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def _beta_continued_fraction(a: float, b: float, x: float) -> float:
+    """Continued fraction of the incomplete beta function, modified Lentz evaluation."""
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    result = d
+    for m in range(1, 1000):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + numerator * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + numerator / c
+            c = c if abs(c) > tiny else tiny
+            result *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            return result
+    raise ArithmeticError(f"incomplete beta did not converge for a={a}, b={b}, x={x}")
+
+
+def betainc_regularized(a: float, b: float, x: float) -> float:
+    """I_x(a, b), the regularized incomplete beta function, for a, b > 0 and 0 <= x <= 1."""
+    if not (a > 0 and b > 0 and 0.0 <= x <= 1.0):
+        raise ValueError(f"betainc_regularized needs a, b > 0 and 0 <= x <= 1, got a={a}, b={b}, x={x}")
+    if x in (0.0, 1.0):
+        return x
+    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):  # the fraction converges fast on this side; use symmetry otherwise
+        return math.exp(log_front) * _beta_continued_fraction(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _beta_continued_fraction(b, a, 1.0 - x) / b
+
+
+def student_t_sf(t: float, df: float) -> float:
+    """P(T > t) for Student's t with df (possibly fractional) degrees of freedom."""
+    if math.isinf(t):
+        return 0.0 if t > 0 else 1.0
+    tail = 0.5 * betainc_regularized(df / 2.0, 0.5, df / (df + t * t))
+    return tail if t >= 0 else 1.0 - tail
+
+
+def welch_one_sided(baseline: list[float], candidate: list[float], margin: float = 0.0) -> dict:
+    """Test H1: mean(baseline) - mean(candidate) > margin, variances not assumed equal.
+
+    scipy.stats is used when importable; the built-in Student-t tail otherwise (same numbers, tested)."""
+    if len(baseline) < 2 or len(candidate) < 2:
+        raise ValueError(f"Welch's t-test needs at least 2 runs per side, got {len(baseline)} baseline and "
+                         f"{len(candidate)} candidate (hint: run more seeds)")
+    if not all(math.isfinite(v) for v in [*baseline, *candidate]):
+        raise ValueError(f"Welch's t-test needs finite values, got baseline {baseline} and candidate {candidate} "
+                         "(hint: a diverged run has no score to compare)")
+    mb, sb = mean_std(baseline)
+    mc, sc = mean_std(candidate)
+    vb, vc = sb * sb / len(baseline), sc * sc / len(candidate)
+    flat = [side for side, v in (("baseline", vb), ("candidate", vc)) if v == 0.0]
+    if flat:  # identical runs mean the seed changed nothing: one sample, not certainty (and t borrows the other side's
+        # spread alone, which made three copies of one run a significant record)
+        raise ValueError(f"Welch's t-test needs spread on each side: every {' and every '.join(flat)} run has the same "
+                         f"value (baseline mean {mb!r}, candidate mean {mc!r}); hint: check that train.seed reaches the "
+                         "runs (identical runs are not independent samples)")
+    t = (mb - mc - margin) / math.sqrt(vb + vc)
+    df = (vb + vc) ** 2 / (vb ** 2 / (len(baseline) - 1) + vc ** 2 / (len(candidate) - 1))
+    try:
+        from scipy import stats
+    except ImportError:
+        return {"t": t, "df": df, "p_value": student_t_sf(t, df), "method": "builtin"}
+    result = stats.ttest_ind([v - margin for v in baseline], candidate, equal_var=False, alternative="greater")
+    return {"t": float(result.statistic), "df": df, "p_value": float(result.pvalue), "method": "scipy"}
+
+
+# -- which runs compare, and the rule ------------------------------------------------------------------
 
 RECORD_MARGIN_NATS = 0.005   # a new record must beat the best by this much in val_loss ...
 RECORD_ALPHA = 0.01          # ... at this one-sided significance level
@@ -170,3 +256,67 @@ def significance(candidate: list[Scored], baseline: list[Scored]) -> dict:
             "is_record": improvement >= RECORD_MARGIN_NATS and test["p_value"] < RECORD_ALPHA,
             "any_improvement": {"test": "Welch t, one-sided, H1: improvement > 0", "t": any_gain["t"],
                                 "p_value": any_gain["p_value"]}}
+
+
+# -- submission.json -----------------------------------------------------------------------------------
+
+@dataclass
+class SeedResult:
+    seed: int
+    final: dict
+    versions: dict = field(default_factory=dict)
+    world_size: int = 1
+    code: str | None = None  # the digest of the code that ran (training.sources.code_digest); None in older logs
+
+
+def hardware(versions: dict, world_size: int) -> str:
+    gpu = versions.get("gpu")
+    return f"{world_size}x {gpu}" if gpu else f"cpu ({world_size} process{'es' if world_size > 1 else ''})"
+
+
+def check_one_stack(results: list) -> None:
+    """Runs that are compared, or summed into one submission, must share hardware and software versions
+    (SeedResult or SeedRun: seed, versions, world_size)."""
+    stacks = {json.dumps([hardware(r.versions, r.world_size), r.versions], sort_keys=True) for r in results}
+    if len(stacks) > 1:
+        raise ValueError("runs come from different hardware or software versions: "
+                         + "; ".join(f"seed {r.seed}: {hardware(r.versions, r.world_size)} {r.versions}" for r in results))
+
+
+def build_submission(name: str, github_id: str, results: list[SeedResult], *, code_bytes: int | None = None,
+                     significance_block: dict | None = None) -> dict:
+    """The challenge's submission.json. code_bytes replaces the runs' own count when the shipped code
+    differs from what the runs measured (a record folder ships one generated train_gpt.py). A seed over the cap,
+    counted with that code, is refused: the runs fitting under their own count is not enough."""
+    check_one_stack(results)
+    code = code_bytes if code_bytes is not None else max(r.final["code_bytes"] for r in results)
+    over = [r for r in results if r.final["artifact_bytes"] + code > CAP_BYTES]
+    if over:
+        raise ValueError(f"seed {over[0].seed}: artifact {over[0].final['artifact_bytes']:,} + code {code:,} bytes = "
+                         f"{over[0].final['artifact_bytes'] + code:,}, over the {CAP_BYTES:,}-byte cap (hint: the code "
+                         "counted is what ships, a record's train_gpt.py and config.toml, else the largest of the "
+                         "seeds' own counts: run the seeds on one checkout, under a quant.budget_bytes that leaves "
+                         "room for it)")
+    per_seed = {str(r.seed): {"run_id": r.final["run_id"], "val_bpb": r.final["val_bpb"],
+                              "val_loss": r.final["val_loss"], "pre_quant_val_bpb": r.final.get("pre_quant_val_bpb"),
+                              "steps": r.final["steps"], "train_time_s": r.final["train_time_s"],
+                              "artifact_bytes": r.final["artifact_bytes"],
+                              "bytes_total": r.final["artifact_bytes"] + code} for r in results}
+    bpb_mean, bpb_std = mean_std([r.final["val_bpb"] for r in results])
+    loss_mean, loss_std = mean_std([r.final["val_loss"] for r in results])
+    submission = {"name": name, "github_id": github_id, "val_bpb": bpb_mean, "val_loss": loss_mean,
+                  "val_bpb_std": bpb_std, "val_loss_std": loss_std,
+                  "bytes_total": max(s["bytes_total"] for s in per_seed.values()), "bytes_code": code,
+                  "seeds": [r.seed for r in results], "seed_results": per_seed,
+                  "code_digests": sorted({r.code or "unknown" for r in results}),
+                  "hardware": hardware(results[0].versions, results[0].world_size),
+                  "versions": {k: results[0].versions[k] for k in ("torch", "triton", "python", "cuda")
+                               if k in results[0].versions}}
+    if significance_block is not None:
+        submission["significance"] = significance_block
+    return submission
+
+
+def write_json_atomic(path: Path, value: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, (json.dumps(value, indent=2) + "\n").encode())
