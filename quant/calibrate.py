@@ -135,14 +135,6 @@ def calibrate(model: nn.Module, modules: dict[str, nn.Linear], calib_batches: It
     return Calibration(collector.hessians(), tokens, uses)
 
 
-def collect_hessians(model: nn.Module, modules: dict[str, nn.Linear], calib_batches: Iterable[torch.Tensor],
-                     autocast_dtype: torch.dtype | None = None, observed: dict[str, torch.Tensor] | None = None,
-                     ) -> tuple[dict[str, torch.Tensor], int]:
-    """(Hessians, tokens seen) of `calibrate` for Linears and observed matrices."""
-    result = calibrate(model, modules, calib_batches, autocast_dtype, observed)
-    return result.hessians, result.tokens
-
-
 @dataclass
 class Fisher:
     """Mean over calibration tokens of the squared loss gradient: per output row of every matrix (`rows`), and per
@@ -236,12 +228,6 @@ def collect_fisher(model: nn.Module, modules: dict[str, nn.Linear], calib_batche
         raise ValueError(f"Fisher weights of {broken[:5]} hold NaN or Inf (the loss gradient overflowed on the "
                          "calibration batches); hint: error_weight='output' needs no backward pass")
     return Fisher(rows, lookup)
-
-
-def collect_output_fisher(model: nn.Module, modules: dict[str, nn.Linear], calib_batches: Iterable[torch.Tensor],
-                          autocast_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The per-row Fisher weights of `collect_fisher` for nn.Linear modules alone."""
-    return collect_fisher(model, modules, calib_batches, autocast_dtype).rows
 
 
 @torch.no_grad()

@@ -52,13 +52,11 @@ def plan_tensors(model: nn.Module, table_patterns: Iterable[str] = (),
     _refuse_aliases(state)
     _refuse_non_finite(state)
     plan = TensorPlan()
-    embeddings = set()
     for mod_name, module in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
         if isinstance(module, nn.Linear):
             plan.linears[prefix + "weight"] = module
         elif isinstance(module, nn.Embedding):
-            embeddings.add(prefix + "weight")
             plan.embeddings[prefix + "weight"] = module
     kinds = {**{p: "table" for p in table_patterns}, **{p: "observed" for p in observed_patterns}}
     used = {p: False for p in kinds}
@@ -76,7 +74,7 @@ def plan_tensors(model: nn.Module, table_patterns: Iterable[str] = (),
         if hits and kinds[hits[0]] == "observed":
             plan.observed[name] = tensor
         else:
-            (plan.tables if name in embeddings or hits else plan.others).append(name)
+            (plan.tables if name in plan.embeddings or hits else plan.others).append(name)
     unused = [p for p, hit in used.items() if not hit]
     if unused:
         raise ValueError(f"patterns {unused} match no non-Linear tensor; names look like "

@@ -49,20 +49,15 @@ class ErrorModel:
     lookup: torch.Tensor | None = None      # [rows, cols] or [rows, 1]: weight of each entry's squared error
 
     def family_weights(self) -> torch.Tensor | None:
-        """Per row, the loss weight of a unit squared error on one of its entries: the weighted family's w_r."""
-        parts = []
-        if self.hessian is not None:
-            mean_diag = float(torch.diagonal(self.hessian).mean())
-            parts.append(self.row_weight * mean_diag if self.row_weight is not None else None)
+        """Per row, the loss weight of a unit squared error on one of its entries: the weighted family's w_r (None
+        where nothing weighs the rows apart)."""
+        weight = None
+        if self.hessian is not None and self.row_weight is not None:
+            weight = self.row_weight.float() * float(torch.diagonal(self.hessian).mean())
         if self.lookup is not None:
-            parts.append(self.lookup.float().mean(dim=1))
-        parts = [p for p in parts if p is not None]
-        if not parts:
-            return None
-        out = parts[0].float()
-        for p in parts[1:]:
-            out = out + p.to(out.device)
-        return out
+            lookup = self.lookup.float().mean(dim=1)
+            weight = lookup if weight is None else weight + lookup.to(weight.device)
+        return weight
 
 
 @dataclass

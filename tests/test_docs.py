@@ -29,7 +29,9 @@ def test_what_a_resume_does_without_a_checkpoint_and_after_the_run_finished_is_d
     assert "Once a run has shipped and scored its artifact, `train.resume=latest` under its run_id is\nrefused" in text
 
 
-NARRATION = re.compile(r"\bsessions? \d+|found by a (review|walkthrough)|\bGUIDE\b|GUIDE §", re.IGNORECASE)
+# Development sessions, reviews, and the workshop's guide document (its name matched as G[U]IDE, so that this
+# line does not cite it)
+NARRATION = re.compile(r"\bsessions? \d+|found by a (review|walkthrough)|\bG[U]IDE\b", re.IGNORECASE)
 
 
 def tracked_files(*suffixes: str) -> list[Path]:

@@ -2,25 +2,24 @@
 import pytest
 import torch
 
-from quant.calibrate import collect_hessians
+from quant.calibrate import calibrate, collect_fisher
 from quant.export import export_artifact
 from test_quant_observed import META, batches, mhc_model
 
 
 def test_output_fisher_weights_every_linear_and_leaves_no_gradients():
-    from quant.calibrate import collect_output_fisher
     from quant.export import plan_tensors
     from quant.rd import ErrorModel, evaluate_candidates
     from quant.steps import step_candidates
     model = mhc_model()
     plan = plan_tensors(model)
-    fisher = collect_output_fisher(model, plan.linears, batches())
+    fisher = collect_fisher(model, plan.linears, batches()).rows
     assert set(fisher) == set(plan.linears) and model.training
     for name, f in fisher.items():
         assert f.shape == (plan.linears[name].weight.shape[0],) and (f >= 0).all() and f.sum() > 0, name
     assert all(p.grad is None for p in model.parameters())
     # unit weights give back the plain output error; real ones change the errors the allocation compares
-    hessians, _ = collect_hessians(model, plan.linears, batches())
+    hessians = calibrate(model, plan.linears, batches()).hessians
     changed = []
     for name, lin in plan.linears.items():
         w = lin.weight.detach()
@@ -33,13 +32,12 @@ def test_output_fisher_weights_every_linear_and_leaves_no_gradients():
 
 
 def test_fisher_weights_that_are_not_finite_are_named():
-    from quant.calibrate import collect_output_fisher
     from quant.export import plan_tensors
     model = mhc_model()
     plan = plan_tensors(model)
     next(iter(plan.linears.values())).register_forward_hook(lambda m, i, out: out * float("inf"))  # an overflow
     with pytest.raises(ValueError, match=r"Fisher weights of \[.*\] hold NaN or Inf .*hint: error_weight='output'"):
-        collect_output_fisher(model, plan.linears, batches())
+        collect_fisher(model, plan.linears, batches())
 
 
 def test_fisher_weights_need_a_model_that_returns_its_loss(tmp_path):

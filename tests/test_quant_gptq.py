@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from quant.calibrate import HessianCollector, collect_hessians, generate_calibration_tokens
+from quant.calibrate import HessianCollector, calibrate, generate_calibration_tokens
 from quant.gptq import CLIP_PERCENTILES, candidate_scales, gptq_quantize, h_weighted_error, rtn_quantize
 
 
@@ -123,7 +123,8 @@ def test_hessian_hooks_match_manual_xtx_and_are_removed():
     torch.manual_seed(3)
     model = TwoLinears()
     batches = [torch.randint(0, 50, (2, 7)), torch.randint(0, 50, (3, 5))]
-    hessians, tokens = collect_hessians(model, {"a.weight": model.a, "b.weight": model.b}, batches)
+    result = calibrate(model, {"a.weight": model.a, "b.weight": model.b}, batches)
+    hessians, tokens = result.hessians, result.tokens
     assert tokens == 29
     x = torch.cat([model.embed(ids).reshape(-1, 16) for ids in batches]).detach()
     torch.testing.assert_close(hessians["a.weight"], x.T @ x / 29)
@@ -140,8 +141,8 @@ def test_hessians_under_autocast_see_the_autocast_activations():
     batches = [torch.randint(0, 50, (4, 9))]
     seen = []
     model.b.register_forward_hook(lambda m, inp, out: seen.append(inp[0].dtype))
-    h_bf16, _ = collect_hessians(model, {"b.weight": model.b}, batches, autocast_dtype=torch.bfloat16)
-    h_fp32, _ = collect_hessians(model, {"b.weight": model.b}, batches)
+    h_bf16 = calibrate(model, {"b.weight": model.b}, batches, autocast_dtype=torch.bfloat16).hessians
+    h_fp32 = calibrate(model, {"b.weight": model.b}, batches).hessians
     assert seen == [torch.bfloat16, torch.float32]
     assert h_bf16["b.weight"].dtype == torch.float32
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -153,9 +154,9 @@ def test_hessians_under_autocast_see_the_autocast_activations():
 def test_hessians_refuse_uncalibrated_modules_and_empty_input():
     model = TwoLinears()
     with pytest.raises(RuntimeError, match="never saw the inputs.*unused.weight"):
-        collect_hessians(model, {"unused.weight": model.unused}, [torch.zeros(1, 4, dtype=torch.long)])
+        calibrate(model, {"unused.weight": model.unused}, [torch.zeros(1, 4, dtype=torch.long)])
     with pytest.raises(ValueError, match="no batches"):
-        collect_hessians(model, {"a.weight": model.a}, [])
+        calibrate(model, {"a.weight": model.a}, [])
     with pytest.raises(TypeError, match="nn.Linear"):
         HessianCollector({"embed": model.embed})
 

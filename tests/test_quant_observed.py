@@ -6,7 +6,7 @@ import torch
 from kernels.mhc_reference import mhc_projection_input
 from model.config import ModelConfig
 from model.gpt import GPT
-from quant.calibrate import collect_hessians
+from quant.calibrate import calibrate
 from quant.container import load_artifact
 from quant.export import export_artifact
 from quant.pack import QuantizedTensor
@@ -53,7 +53,8 @@ def test_model_reports_each_phi_input_and_the_head_input_once_per_forward(granul
 def test_phi_hessian_is_that_of_the_unit_rms_projection_input():
     model = mhc_model()
     observed = {name: model.state_dict()[name] for name in phi_names(model)}
-    hessians, tokens = collect_hessians(model, {}, batches(), observed=observed)
+    result = calibrate(model, {}, batches(), observed=observed)
+    hessians, tokens = result.hessians, result.tokens
     assert model.quant_observer is None and tokens == 3 * 2 * 16
     for name in observed:
         h = hessians[name]
