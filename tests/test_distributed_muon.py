@@ -1,4 +1,5 @@
 """Sharded Muon + bucketed all-reduce on 2 and 3 gloo processes == one process stepping on the averaged grads."""
+import dataclasses
 import os
 
 import pytest
@@ -56,18 +57,18 @@ def join_group(rank: int, world: int, port: int):
     return init_distributed("cpu")
 
 
-def worker(rank: int, world: int, port: int, out_dir: str, shapes) -> None:
+def worker(rank: int, world: int, port: int, out_dir: str, shapes, cfg: OptimConfig) -> None:
     info = join_group(rank, world, port)
     try:
         assert (info.rank, info.world_size, world_size(), is_main()) == (rank, world, world, rank == 0)
         model = Chain(shapes)
         check_param_groups(model, model.param_groups())
-        opts = build_optimizers(model.param_groups(), CFG)
+        opts = build_optimizers(model.param_groups(), cfg)
         norms = []
         for step in range(STEPS):
-            set_lr_and_momentum(opts, lr_multiplier(step / STEPS, step, CFG), step, CFG)
+            set_lr_and_momentum(opts, lr_multiplier(step / STEPS, step, cfg), step, cfg)
             accumulate(model, step, rank)
-            norms.append(optimizer_step(opts, CFG.grad_clip))
+            norms.append(optimizer_step(opts, cfg.grad_clip))
         mean_rank = all_reduce_mean(torch.tensor(float(rank)))
         barrier()
         print0(f"world {world} done")
@@ -78,10 +79,10 @@ def worker(rank: int, world: int, port: int, out_dir: str, shapes) -> None:
         destroy()
 
 
-def single_process_reference(shapes, world: int):
+def single_process_reference(shapes, world: int, cfg: OptimConfig):
     """Same steps in one process, each step on the average of every rank's accumulated gradients."""
     model = Chain(shapes)
-    opts = build_optimizers(model.param_groups(), CFG)
+    opts = build_optimizers(model.param_groups(), cfg)
     norms = []
     for step in range(STEPS):
         per_rank = []
@@ -92,23 +93,29 @@ def single_process_reference(shapes, world: int):
         assert not torch.equal(per_rank[0][0], per_rank[1][0])  # ranks really see different data
         for p, grads in zip(model.parameters(), zip(*per_rank)):
             p.grad = torch.stack(grads).mean(0)
-        set_lr_and_momentum(opts, lr_multiplier(step / STEPS, step, CFG), step, CFG)
-        norms.append(optimizer_step(opts, CFG.grad_clip))
+        set_lr_and_momentum(opts, lr_multiplier(step / STEPS, step, cfg), step, cfg)
+        norms.append(optimizer_step(opts, cfg.grad_clip))
     return [p.detach() for p in model.parameters()], torch.stack(norms)
 
 
 
-@pytest.mark.parametrize("world,shapes", [
+@pytest.mark.parametrize("world,shapes,row_norm", [
     # 6 matrices: 3 x (8, 8) -> one padded chunk; (16, 8), (16, 16), (8, 16) alone -> rank 1 idle there.
-    (2, [(8, 8), (16, 8), (16, 16), (8, 16), (8, 8), (8, 8)]),
+    (2, [(8, 8), (16, 8), (16, 16), (8, 16), (8, 8), (8, 8)], False),
     # 7 matrices on 3 ranks: 5 x (8, 8) -> two chunks, one padded; (12, 8), (8, 12) alone.
-    (3, [(8, 8), (12, 8), (8, 12), (8, 8), (8, 8), (8, 8), (8, 8)]),
+    (3, [(8, 8), (12, 8), (8, 12), (8, 8), (8, 8), (8, 8), (8, 8)], False),
+    # MuonEq-R on each rank's own share (the zero padding rows stay out of it)
+    (2, [(8, 8), (16, 8), (8, 16), (8, 8), (8, 8)], True),
 ])
-def test_sharded_step_equals_single_process_on_averaged_grads(tmp_path, capfd, world, shapes, free_port):
-    mp.spawn(worker, args=(world, free_port, str(tmp_path), shapes), nprocs=world, join=True)
+def test_sharded_step_equals_single_process_on_averaged_grads(tmp_path, capfd, world, shapes, row_norm, free_port):
+    cfg = dataclasses.replace(CFG, muon_row_norm=row_norm)
+    mp.spawn(worker, args=(world, free_port, str(tmp_path), shapes, cfg), nprocs=world, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    ref_params, ref_norms = single_process_reference(shapes, world)
+    ref_params, ref_norms = single_process_reference(shapes, world, cfg)
     assert (ref_norms > CFG.grad_clip).all()  # the clip was active on every step
+    if row_norm:  # the option reached the sharded update
+        plain = single_process_reference(shapes, world, CFG)[0]
+        assert not any(torch.allclose(a, b, atol=1e-4) for a, b in zip(results[0]["params"][1:], plain[1:]))
     for res in results:
         torch.testing.assert_close(res["norms"], ref_norms, rtol=1e-6, atol=0)
         assert res["mean_rank"].item() == pytest.approx((world - 1) / 2)

@@ -39,7 +39,10 @@ class OptimConfig:
     muon_momentum_start: float = 0.92  # momentum warms linearly from this ...
     muon_momentum_warmup_steps: int = 1500  # ... over this many steps
     ns_steps: int = 5                  # Newton-Schulz iterations
+    muon_row_norm: bool = False        # MuonEq-R: each row of the update scaled to unit L2 norm before Newton-Schulz
     weight_decay: float = 0.04         # decoupled, Muon and AdamW matrices/embeddings
+    embed_weight_decay: float = -1.0   # AdamW 'embed' group (the embedding tables); -1: optim.weight_decay
+    scalar_weight_decay: float = 0.0   # AdamW 'scalar' group (gains, gates, mixing parameters)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     grad_clip: float = 0.3             # global grad-norm clip; 0 disables
@@ -236,6 +239,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 AT_LEAST = (
     ("data.seq_len", 1), ("data.shards_per_batch", 1), ("data.prefetch", 0),
     ("optim.matrix_lr", 0), ("optim.embed_lr", 0), ("optim.scalar_lr", 0), ("optim.weight_decay", 0),
+    ("optim.scalar_weight_decay", 0),
     ("optim.grad_clip", 0), ("optim.ns_steps", 1), ("optim.warmup_steps", 0), ("optim.muon_momentum_warmup_steps", 0),
     ("optim.ema_warmup_steps", 1), ("quant.calib_seqs", 1), ("quant.calib_reserve_s", 0), ("quant.cap_bytes", 1),
     ("quant.margin_bytes", 0), ("quant.budget_bytes", 0), ("train.batch_tokens", 1), ("train.micro_batch_seqs", 1),
@@ -300,6 +304,9 @@ def validate(cfg: Config) -> None:
         if not (0 <= value <= 1 if one_allowed else 0 <= value < 1):
             raise ConfigError(f"{key}={value} must be in [0, 1{']' if one_allowed else ')'} (hint: the default is "
                               f"{_value(defaults, key)})")
+    if not (cfg.optim.embed_weight_decay >= 0 or cfg.optim.embed_weight_decay == -1):
+        raise ConfigError(f"optim.embed_weight_decay={cfg.optim.embed_weight_decay} must be >= 0, or -1 for "
+                          f"optim.weight_decay's value (now {cfg.optim.weight_decay})")
     grad_accum_steps(cfg, 1)  # and for the world size, where train.py knows it
     if t.schedule not in ("steps", "time"):
         raise ConfigError(f"train.schedule={t.schedule!r}: expected 'steps' or 'time'")

@@ -1,7 +1,10 @@
 """Optimizers: Muon (sharded across ranks) for block matrices, AdamW for the embedding and scalars.
 
 Muon = Nesterov momentum, then the update is replaced by its nearest semi-orthogonal matrix
-(approximated by a quintic Newton-Schulz iteration), scaled by sqrt(max(1, rows/cols)).
+(approximated by a quintic Newton-Schulz iteration), scaled by sqrt(max(1, rows/cols)). With row_norm
+(MuonEq-R, the parameter-golf records from 2026-04-03 on, https://github.com/openai/parameter-golf) each row of
+the momentum update is first scaled to unit L2 norm, so every output unit enters the orthogonalization with the
+same weight.
 
 Sharding (world size W > 1): the gradients of Muon's parameters are averaged by Muon itself with a
 reduce-scatter, so each rank receives only the matrices it owns (parameter i of a same-shape bucket is
@@ -51,6 +54,16 @@ def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5) -> Tensor:
     return X.to(G.dtype)
 
 
+ROW_NORM_EPS = 1e-7  # rows below this norm (all-zero gradients) are divided by it instead: they stay ~0
+
+
+def normalize_rows_(G: Tensor) -> Tensor:
+    """MuonEq-R: each row of G [..., rows, cols] divided by its L2 norm (computed in fp32), in place. Rows,
+    not columns, whatever the shape: a row is one output unit of a weight [out, in]."""
+    norms = G.float().norm(dim=-1, keepdim=True).clamp_min(ROW_NORM_EPS)
+    return G.div_(norms.to(G.dtype))
+
+
 class _Bucket:
     """Same-shape Muon parameters of one param group, laid out for one reduce-scatter / all-gather.
 
@@ -96,13 +109,21 @@ class Muon(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,
-                 ns_steps: int = 5):
+                 ns_steps: int = 5, row_norm: bool = False):
         if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0 or ns_steps < 1:
             raise ValueError(f"Muon: expected lr >= 0, 0 <= momentum < 1, weight_decay >= 0, ns_steps >= 1; "
                              f"got lr={lr}, momentum={momentum}, weight_decay={weight_decay}, ns_steps={ns_steps}")
         self._buckets: list[_Bucket] | None = None
         self._layout_world: tuple[int, int] | None = None
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps))
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps,
+                                      row_norm=row_norm))
+
+    def __setstate__(self, state: dict) -> None:
+        # load_state_dict replaces the param groups with the saved ones: a checkpoint from before row_norm existed
+        # trained without it (and a resume with it on is then refused by the settings check)
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("row_norm", False)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -184,6 +205,8 @@ class Muon(torch.optim.Optimizer):
             bufs.append(state["momentum_buffer"])
         torch._foreach_lerp_(bufs, rows, 1 - beta)  # buf = beta * buf + (1 - beta) * g
         torch._foreach_lerp_(rows, bufs, beta)      # Nesterov: g + beta * (buf - g), in b.grad's rows
+        if g["row_norm"]:
+            normalize_rows_(b.grad[:k])
         update = zeropower_via_newtonschulz5(b.grad[:k], g["ns_steps"])
         scale = max(1.0, b.own[0].size(-2) / b.own[0].size(-1)) ** 0.5
         if wd:
@@ -244,9 +267,11 @@ def build_optimizers(param_groups: dict[str, list[nn.Parameter]], cfg: OptimConf
     if param_groups["matrix"]:
         optimizers.append(Muon([dict(params=list(param_groups["matrix"]), name="matrix", initial_lr=cfg.matrix_lr)],
                                lr=cfg.matrix_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay,
-                               ns_steps=cfg.ns_steps))
+                               ns_steps=cfg.ns_steps, row_norm=cfg.muon_row_norm))
+    embed_wd = cfg.weight_decay if cfg.embed_weight_decay == -1 else cfg.embed_weight_decay
     adam_groups = [dict(params=list(param_groups[name]), name=name, lr=lr, initial_lr=lr, weight_decay=wd)
-                   for name, lr, wd in (("embed", cfg.embed_lr, cfg.weight_decay), ("scalar", cfg.scalar_lr, 0.0))
+                   for name, lr, wd in (("embed", cfg.embed_lr, embed_wd),
+                                        ("scalar", cfg.scalar_lr, cfg.scalar_weight_decay))
                    if param_groups[name]]
     if adam_groups:
         on_cuda = all(p.is_cuda for g in adam_groups for p in g["params"])
