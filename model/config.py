@@ -1,8 +1,8 @@
 """Model hyper-parameters (a typed dataclass; configs/*.toml fill it under [model]).
 
 The record-architecture options (the parameter-golf records' stack, https://github.com/openai/parameter-golf:
-XSA, partial RoPE, per-layer norm scale, U-Net skips,
-SmearGate, BigramHash, value embeddings) all default to OFF, which is the plain model bit for bit.
+XSA, partial RoPE, per-layer norm scale, U-Net skips, SmearGate, BigramHash, value embeddings,
+attention output gate) all default to OFF, which is the plain model bit for bit.
 """
 from __future__ import annotations
 
@@ -47,6 +47,8 @@ class ModelConfig:
     bigram_dim: int = 112              # BigramHash table width (projected to d_model)
     value_embed_layers: int = 0        # value embeddings added to V on the last k layers; 0 disables
     value_embed_dim: int = 128         # shared value-embedding table width (projected to the KV width)
+    attn_gate: bool = False            # per-head attention output gate sigmoid(W u[:width]), W zero-init (0.5 at init)
+    attn_gate_width: int = 0           # the gate reads the first k channels of the normed input u; 0 = all d_model
     attention: str = "auto"            # auto (FlashAttention 3 when installed, on CUDA) | sdpa | fa3
     mhc_kernels: bool = False          # Triton mHC kernels instead of the PyTorch reference
     mlp_kernel: bool = False           # Triton fused LeakyReLU^2 MLP instead of the PyTorch reference
@@ -142,6 +144,12 @@ class ModelConfig:
             raise ValueError(f"model.mhc_blocks={self.mhc_blocks} needs n_streams >= 2, got n_streams="
                              f"{self.n_streams} (hint: a single stream has no mHC; set "
                              "model.mhc_blocks=0 as well)")
+        if not 0 <= self.attn_gate_width <= self.d_model:
+            raise ValueError(f"model.attn_gate_width={self.attn_gate_width} must be in [0, d_model={self.d_model}] "
+                             "(the gate reads the first k channels of the attention input; 0 = all of them)")
+        if self.attn_gate_width and not self.attn_gate:
+            raise ValueError(f"model.attn_gate_width={self.attn_gate_width} applies to model.attn_gate=true only "
+                             "(hint: set model.attn_gate=true, or drop the width)")
         if self.unet_skips and self.n_layers < 2:
             raise ValueError(f"model.unet_skips needs n_layers >= 2 (got {self.n_layers}): "
                              "one encoder and one decoder block")

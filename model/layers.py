@@ -1,5 +1,5 @@
-"""Transformer sublayers: RMSNorm, (partial) rotary embedding, GQA attention with optional XSA and
-value embeddings, LeakyReLU(0.5)^2 MLP.
+"""Transformer sublayers: RMSNorm, (partial) rotary embedding, GQA attention with optional XSA, value
+embeddings and output gate, LeakyReLU(0.5)^2 MLP.
 
 Each sublayer takes the (pre-norm) residual input u [B, T, C] and returns F(u) [B, T, C]; the
 residual wiring (plain or mHC) lives in model/gpt.py.
@@ -127,6 +127,12 @@ class Attention(nn.Module):
     `layer` (the block index) decides the per-layer options: XSA on the last cfg.xsa_layers blocks,
     and on the last cfg.value_embed_layers blocks a zero-initialized projection `value_proj` of the
     shared value embedding, added to V.
+
+    With cfg.attn_gate every head's output (after XSA) is scaled per token by sigmoid(W_h · u[:width]), u the
+    sublayer's normed input: a head can switch itself off where it has nothing to add (Gated Attention,
+    https://arxiv.org/abs/2505.06708; the parameter-golf records from 2026-04-16 on). W [n_heads, width] starts at
+    zero, so every gate starts at sigmoid(0) = 0.5. It is a plain parameter, not a Linear: AdamW's scalar group
+    trains it, as the records do, and the artifact stores it as floats.
     """
 
     def __init__(self, cfg: ModelConfig, layer: int = 0, rope: RotaryTables | None = None):
@@ -143,6 +149,8 @@ class Attention(nn.Module):
         self.q_gain = nn.Parameter(torch.full((cfg.n_heads,), cfg.qk_gain_init))
         has_ve = layer >= cfg.n_layers - cfg.value_embed_layers
         self.value_proj = nn.Linear(cfg.value_embed_dim, kv_dim, bias=False) if has_ve else None
+        self.gate_width = cfg.attn_gate_width or cfg.d_model
+        self.head_gate = nn.Parameter(torch.zeros(cfg.n_heads, self.gate_width)) if cfg.attn_gate else None
 
     def forward(self, u: torch.Tensor, value_embed: torch.Tensor | None = None) -> torch.Tensor:
         B, T, C = u.shape
@@ -165,7 +173,14 @@ class Attention(nn.Module):
         y = causal_attention(q, k, v, self.fa3 if use_fa3 else None)
         if self.xsa:
             y = remove_self_value(y, v)
+        if self.head_gate is not None:
+            y = y * self.head_gates(u).to(y.dtype)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+    def head_gates(self, u: torch.Tensor) -> torch.Tensor:
+        """The output gate of every head and token, [B, H, T, 1], from the sublayer's normed input u [B, T, C]."""
+        g = torch.sigmoid(F.linear(u[..., :self.gate_width], self.head_gate.to(u.dtype)))
+        return g.transpose(1, 2).unsqueeze(-1)
 
 
 class MLP(nn.Module):

@@ -13,7 +13,7 @@ from model.layers import MLP, Attention, RotaryTables, apply_partial_rotary, rot
 from test_model import randomize_, tiny  # shared tiny config and non-trivial weights
 
 ALL_ON = dict(xsa_layers=2, rope_dims=4, layer_norm_scale=True, unet_skips=True, smear_gate=True,
-              bigram_buckets=96, bigram_dim=16, value_embed_layers=1, value_embed_dim=8)
+              bigram_buckets=96, bigram_dim=16, value_embed_layers=1, value_embed_dim=8, attn_gate=True)
 
 
 def tokens(shape=(2, 16), seed=2, low=0) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from test_optim import Tiny
+from training.checkpoint import optimizer_settings
 from training.config import ConfigError, OptimConfig, load_config
 from training.optim import Muon, build_optimizers, normalize_rows_, zeropower_via_newtonschulz5
 
@@ -98,8 +99,10 @@ def test_a_checkpoint_from_before_row_norm_loads_as_row_norm_off():
     state = copy.deepcopy(old.state_dict())
     del state["param_groups"][0]["row_norm"]
     new = Muon([p], row_norm=True)
+    configured = optimizer_settings([new])
     new.load_state_dict(state)
     assert new.param_groups[0]["row_norm"] is False
+    assert configured[("?", "row_norm")] is True and optimizer_settings([new])[("?", "row_norm")] is False
     p.grad = torch.randn(6, 4)
     new.step()
 
