@@ -312,3 +312,21 @@ def test_a_loop_before_the_lanes_runs_in_the_plain_part():
     loss = F.cross_entropy(model(idx).flatten(0, 1), targets.flatten())
     loss.backward()
     assert torch.isfinite(loss) and model.lanes.write.grad.abs().sum() > 0
+
+
+def test_a_checkpoint_re_exported_by_bench_quant_keeps_its_phase(tmp_path):
+    """scripts/bench_quant.py re-quantizes a checkpoint's weights: in the phase they were trained in last."""
+    from scripts.bench_quant import load_weights
+    from training.checkpoint import Checkpointer
+    from training.optim import build_optimizers
+    cfg = loop_cfg("train.max_steps=10")
+    model = GPT(cfg.model)
+    model.recurrence_on = True
+
+    class Loader:
+        def state_dict(self):
+            return {}
+    path = Checkpointer(tmp_path, every_steps=0, keep=1, rank=0, world_size=1).save(
+        5, 5.0, model, build_optimizers(model.param_groups(), cfg.optim), None, Loader())
+    fresh = GPT(cfg.model)
+    assert load_weights(path, fresh) == ("model", 5.0) and fresh.recurrence_on
