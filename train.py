@@ -58,14 +58,19 @@ def parse_args(argv=None, default_config: str | None = None) -> argparse.Namespa
 
 def warm_up_compile(step_model, model, loader, optimizers, cfg: Config, accum: int, device, log) -> None:
     """Run two real steps so torch.compile builds its graphs, then restore weights, optimizer, loader and RNG
-    exactly: the timed run starts from the same state as an uncompiled one (or as the checkpoint it resumes)."""
+    exactly: the timed run starts from the same state as an uncompiled one (or as the checkpoint it resumes).
+    With depth recurrence (model.recur_times > 1) one more step with it on builds that phase's graph too: dynamo
+    keeps both, so the switch during training costs no compile time."""
     t0 = time.perf_counter()
     weights = copy.deepcopy(model.state_dict())
     opt_states = [copy.deepcopy(o.state_dict()) for o in optimizers]
     loader_state = loader.state_dict()
     rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    for _ in range(2):
+    phase = model.recurrence_on
+    for on in [False, False] + ([True] if cfg.model.recur_times > 1 else []):
+        model.recurrence_on = on
         train_step(step_model, loader, optimizers, cfg, accum, device)
+    model.recurrence_on = phase
     model.load_state_dict(weights)
     for opt, state in zip(optimizers, opt_states):
         opt.load_state_dict(state)

@@ -49,6 +49,11 @@ class ModelConfig:
     value_embed_dim: int = 128         # shared value-embedding table width (projected to the KV width)
     attn_gate: bool = False            # per-head attention output gate sigmoid(W u[:width]), W zero-init (0.5 at init)
     attn_gate_width: int = 0           # the gate reads the first k channels of the normed input u; 0 = all d_model
+    recur_start: int = 0               # depth recurrence: first block of the repeated range
+    recur_end: int = 0                 # depth recurrence: last block of the repeated range (inclusive)
+    recur_times: int = 1               # passes over the range once recurrence is on; 1 = off
+    recur_at: float = 0.35             # training progress (of the budget, or of max_steps) that switches it on
+    lane_start: int = 0                # parallel residual lanes on blocks lane_start..n_layers-1; 0 = off
     attention: str = "auto"            # auto (FlashAttention 3 when installed, on CUDA) | sdpa | fa3
     mhc_kernels: bool = False          # Triton mHC kernels instead of the PyTorch reference
     mlp_kernel: bool = False           # Triton fused LeakyReLU^2 MLP instead of the PyTorch reference
@@ -69,6 +74,21 @@ class ModelConfig:
     @property
     def mlp_hidden(self) -> int:
         return int(round(self.mlp_mult * self.d_model))
+
+    @property
+    def n_mhc_blocks(self) -> int:
+        """Leading blocks with mHC (all of them for mhc_blocks = 0); none in the plain network."""
+        return (self.mhc_blocks or self.n_layers) if self.n_streams > 1 else 0
+
+    def block_order(self, recurrence: bool) -> tuple[int, ...]:
+        """The physical block of each virtual layer, in the order the forward runs them: every block once, or with
+        recurrence on blocks recur_start..recur_end recur_times times in a row (3-5 three times of 11 blocks:
+        0,1,2,3,4,5,3,4,5,3,4,5,6,...,10, 17 virtual layers)."""
+        blocks = tuple(range(self.n_layers))
+        if not recurrence or self.recur_times == 1:
+            return blocks
+        loop = blocks[self.recur_start:self.recur_end + 1]
+        return blocks[:self.recur_start] + loop * self.recur_times + blocks[self.recur_end + 1:]
 
     def kernel_problem(self) -> str | None:
         """Why the Triton mHC kernels cannot take this model, or None. Checked by train.py on a GPU, where they run:
@@ -153,3 +173,34 @@ class ModelConfig:
         if self.unet_skips and self.n_layers < 2:
             raise ValueError(f"model.unet_skips needs n_layers >= 2 (got {self.n_layers}): "
                              "one encoder and one decoder block")
+        self._validate_recurrence_and_lanes()
+
+    def _validate_recurrence_and_lanes(self) -> None:
+        n, k = self.n_layers, self.n_mhc_blocks
+        if self.recur_times < 1:
+            raise ValueError(f"model.recur_times={self.recur_times} must be >= 1 (1 = no depth recurrence; the records "
+                             "ran blocks 3-5 three times)")
+        if not 0 <= self.recur_start <= self.recur_end < n:
+            raise ValueError(f"model.recur_start={self.recur_start}, model.recur_end={self.recur_end}: expected "
+                             f"0 <= recur_start <= recur_end < n_layers={n} (recur_end is the last repeated block, "
+                             "inclusive)")
+        if not 0.0 <= self.recur_at <= 1.0:  # NaN included
+            raise ValueError(f"model.recur_at={self.recur_at} must be in [0, 1] (the fraction of training after which "
+                             "recurrence is on; 0 = from the start)")
+        recurs = self.recur_times > 1
+        if recurs and self.recur_start < k <= self.recur_end:
+            raise ValueError(f"model.recur_start={self.recur_start}..recur_end={self.recur_end} spans the last mHC "
+                             f"block ({k - 1}, model.mhc_blocks={self.mhc_blocks}) and the plain blocks after it: the "
+                             "streams are read out after the last mHC block, so a loop cannot go back into mHC (hint: "
+                             f"a range inside blocks 0..{k - 1} or {k}..{n - 1})")
+        if not 0 <= self.lane_start < n:
+            raise ValueError(f"model.lane_start={self.lane_start} must be in [0, n_layers={n}) (the first block of "
+                             "the two residual lanes; 0 = no lanes)")
+        if self.lane_start and self.lane_start < k:
+            raise ValueError(f"model.lane_start={self.lane_start} with n_streams={self.n_streams}: the lanes run on "
+                             f"plain blocks only, and blocks 0..{k - 1} have mHC (model.mhc_blocks={self.mhc_blocks}) "
+                             f"(hint: lane_start >= {k}, or a smaller model.mhc_blocks)")
+        if self.lane_start and recurs and self.recur_end >= self.lane_start:
+            raise ValueError(f"model.recur_end={self.recur_end} with model.lane_start={self.lane_start}: the repeated "
+                             "blocks must come before the lanes (the records looped blocks 3-5 and ran lanes from "
+                             f"block 7) (hint: recur_end < {self.lane_start})")

@@ -1,5 +1,5 @@
 """Record-architecture pieces outside attention and the MLP (https://github.com/openai/parameter-golf records): SmearGate and BigramHash on
-the input embedding, and the U-Net skip wiring with its learned weights.
+the input embedding, the U-Net skip wiring with its learned weights, and the scalars of the parallel residual lanes.
 
 Document boundaries: every shard document starts with BOS (id 1). Position t has an in-document
 predecessor only when t > 0 and token t is not a BOS; SmearGate and BigramHash read the previous
@@ -82,36 +82,74 @@ class BigramHash(nn.Module):
 
 
 class UNetSkips(nn.Module):
-    """Encoder/decoder pairing of blocks, and one learned per-channel weight vector per skip.
+    """Encoder/decoder pairing of the virtual layers, and one learned per-channel weight vector per skip.
 
-    Blocks [0, n_enc) with n_enc = n_layers // 2 are the encoder, the rest the decoder. Decoder block
-    n_enc + j reads what encoder block n_enc - 1 - j saved (for j < n_enc: the mirror image), scaled
-    by weight[j] (init 1). Per-channel rather than scalar: it costs n_enc * C numbers (2,560 at the
-    record size, < 0.01% of the model) and lets each channel choose how much early, more lexical,
-    signal it takes back, which a scalar cannot.
+    Over a forward of `depth` virtual layers (n_layers, or more with depth recurrence: model.recur_*), positions
+    [0, n_enc) with n_enc = depth // 2 are the encoder, the rest the decoder. Decoder position n_enc + j reads what
+    encoder position n_enc - 1 - j saved (for j < n_enc: the mirror image), scaled by weight[j] (init 1).
+    Per-channel rather than scalar: it costs n_enc * C numbers (2,560 at the record size, < 0.01% of the model)
+    and lets each channel choose how much early, more lexical, signal it takes back, which a scalar cannot.
+
+    Why virtual positions, as the 2026-04-09 record counts them
+    (https://github.com/openai/parameter-golf/tree/main/records/track_10min_16mb): a skip joins equal depths of
+    the computation the model runs, so a looped block gets a skip (and a weight) of its own at each visit, and
+    the U stays symmetric in depth. There are weights for the longer forward (n_weights); the shorter one, before
+    recurrence switches on, uses the first of them, whose pairing then moves to the mirror of the new depth.
     """
 
-    def __init__(self, n_layers: int, dim: int):
+    def __init__(self, n_weights: int, dim: int):
         super().__init__()
-        self.n_enc = n_layers // 2
-        self.weight = nn.Parameter(torch.ones(self.n_enc, dim))
+        self.weight = nn.Parameter(torch.ones(n_weights, dim))
 
-    def is_encoder(self, block: int) -> bool:
-        return block < self.n_enc
+    @staticmethod
+    def is_encoder(pos: int, depth: int) -> bool:
+        return pos < depth // 2
 
-    def skip_index(self, block: int) -> int | None:
-        """j for decoder block n_enc + j that receives a skip, else None."""
-        j = block - self.n_enc
-        return j if 0 <= j < self.n_enc else None
+    @staticmethod
+    def skip_index(pos: int, depth: int) -> int | None:
+        """j for decoder position n_enc + j that receives a skip, else None."""
+        j = pos - depth // 2
+        return j if 0 <= j < depth // 2 else None
 
-    def skip(self, block: int, saved: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
-        """weight[j] * (the mirror encoder block's saved tensor) for a decoder block with a skip, else None."""
-        j = self.skip_index(block)
+    def skip(self, pos: int, depth: int, saved: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
+        """weight[j] * (the mirror encoder position's saved tensor) for a decoder position with a skip, else None."""
+        j = self.skip_index(pos, depth)
         if j is None:
             return None
-        return self.weight[j].to(dtype) * saved[self.n_enc - 1 - j].to(dtype)
+        return self.weight[j].to(dtype) * saved[depth // 2 - 1 - j].to(dtype)
 
-    def add(self, x: torch.Tensor, block: int, saved: list[torch.Tensor]) -> torch.Tensor:
-        """x + its skip (see skip), for a decoder block with one; x otherwise."""
-        s = self.skip(block, saved, x.dtype)
+    def add(self, x: torch.Tensor, pos: int, depth: int, saved: list[torch.Tensor]) -> torch.Tensor:
+        """x + its skip (see skip), for a decoder position with one; x otherwise."""
+        s = self.skip(pos, depth, saved, x.dtype)
         return x if s is None else x + s
+
+
+LANE_CARRY_INIT = 1.1  # each lane's carry at init, as the 2026-03-31 record's sqrt(1.1) before each of two sublayers
+
+
+class ParallelLanes(nn.Module):
+    """Learned scalars of the two residual lanes a (attention) and m (MLP) over the last blocks (model.lane_start).
+
+    Both lanes start as copies of the residual stream entering the first lane block. In lane block i, attention
+    reads norm(a) and the MLP reads norm(m), both from the state before the block (parallel, as GPT-J's block),
+    and each lane is carried and written by a free 2x2 write:
+        a' = carry[i,0] * a + write[i,0,0] * A + write[i,0,1] * M
+        m' = carry[i,1] * m + write[i,1,0] * A + write[i,1,1] * M
+    carry starts at LANE_CARRY_INIT and write at 1, so the lanes stay equal until a U-Net skip (which enters lane
+    a) or training sets them apart, and an equal pair is GPT-J's parallel block x' = 1.1 x + A(x) + M(x). The
+    readout is (a + m) / 2. Formulation after the 2026-03-31 record (2x2 write, readout), the 2026-04-04 and
+    2026-04-08 records (skips into the attention lane) and the 2026-04-09 record (parallel reads), at
+    https://github.com/openai/parameter-golf/tree/main/records/track_10min_16mb. The records' blocks also mix
+    the embedding x0 into each sublayer's input (resid_mix); no block here does, so the lanes do not either.
+    """
+
+    def __init__(self, n_blocks: int):
+        super().__init__()
+        self.carry = nn.Parameter(torch.full((n_blocks, 2), LANE_CARRY_INIT))
+        self.write = nn.Parameter(torch.ones(n_blocks, 2, 2))
+
+    def forward(self, i: int, a: torch.Tensor, m: torch.Tensor, attn: torch.Tensor,
+                mlp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lanes after lane block i, from the lanes before it and its attention and MLP outputs."""
+        c, w = self.carry[i], self.write[i]
+        return c[0] * a + w[0, 0] * attn + w[0, 1] * mlp, c[1] * m + w[1, 0] * attn + w[1, 1] * mlp

@@ -20,6 +20,12 @@ With mhc_blocks = k > 0 only the first k blocks have mHC: after them the head's 
 collapses the streams into one residual stream and the remaining blocks are plain, so the stream
 traffic (the cost of mHC) scales with k. A skip then carries u (or the readout) from an mHC encoder block
 and x from a plain one, and is added by the decoder block as its wiring takes it.
+
+Depth recurrence (model.recur_*) runs a range of blocks several times in a row once training reaches
+model.recur_at: the forward follows a virtual layer sequence of block indices (block_order), mHC streams flow
+through the loops (the repeated blocks reuse their mHC units), and U-Net skips pair virtual layers (UNetSkips).
+Value embeddings, XSA and the norm scale stay per physical block. Parallel residual lanes (model.lane_start)
+run the last plain blocks as two residual lanes (ParallelLanes).
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ import torch.nn.functional as F
 from kernels import mhc_reference
 from kernels.mhc_reference import mhc_projection_input
 from model.config import ModelConfig
-from model.features import BigramHash, SmearGate, UNetSkips
+from model.features import BigramHash, ParallelLanes, SmearGate, UNetSkips
 from model.layers import MLP, Attention, RMSNorm, RotaryTables, Sublayer
 from model.mhc import MHCParams, mhc_ops
 
@@ -56,7 +62,7 @@ class GPT(nn.Module):
             self.sublayers.append(Sublayer(Attention(cfg, layer, rope), C, scale))
             self.sublayers.append(Sublayer(MLP(cfg), C, scale))
         # Blocks with mHC (cfg.mhc_blocks = 0 means all of them); none in the plain network.
-        self.n_mhc_blocks = (cfg.mhc_blocks or cfg.n_layers) if n > 1 else 0
+        self.n_mhc_blocks = cfg.n_mhc_blocks
         if n > 1:
             units = self.n_mhc_blocks * (1 if cfg.mhc_granularity == "block" else 2)
             # phi draws from a generator of its own, seeded from the run's seed: every other weight then draws what
@@ -76,7 +82,14 @@ class GPT(nn.Module):
                        if cfg.bigram_buckets else None)
         self.smear = SmearGate(C) if cfg.smear_gate else None
         self.value_embed = nn.Embedding(cfg.vocab_size, cfg.value_embed_dim) if cfg.value_embed_layers else None
-        self.unet = UNetSkips(cfg.n_layers, C) if cfg.unet_skips else None
+        # weights for the longer forward: the one with depth recurrence on, where it is configured (see UNetSkips)
+        self.unet = UNetSkips(len(cfg.block_order(True)) // 2, C) if cfg.unet_skips else None
+        self.lanes = ParallelLanes(cfg.n_layers - cfg.lane_start) if cfg.lane_start else None
+        # Depth recurrence (model.recur_*): the trainer switches it on once training reaches model.recur_at, and
+        # the artifact records the phase training ended in. A plain attribute, not a buffer: torch.compile guards on
+        # it, so each phase has a graph of its own and a flip costs one recompile, done in the compile warm-up.
+        self.recurrence_on = False
+        self._orders = {False: cfg.block_order(False), True: cfg.block_order(True)}
         # Set only during quantization calibration: called as observer(name, x) with the input that the
         # 2-D parameter `name` (out x in) multiplies, for the parameters that are not nn.Linear weights
         # (mHC phi), so GPTQ gets their Hessians as it does a Linear's from a forward hook.
@@ -147,18 +160,49 @@ class GPT(nn.Module):
             return self._hidden_plain(x, value_embed)
         return self._hidden_mhc(x, value_embed)
 
-    def _hidden_plain(self, x: torch.Tensor, value_embed: torch.Tensor | None, first_block: int = 0,
+    def block_order(self) -> tuple[int, ...]:
+        """The physical block of each virtual layer in the phase the model is in (see ModelConfig.block_order)."""
+        return self._orders[self.recurrence_on]
+
+    def recurrence_due(self, progress: float) -> bool:
+        """Whether depth recurrence is on at this training progress (0..1, the schedule's)."""
+        return self.cfg.recur_times > 1 and progress >= self.cfg.recur_at
+
+    def _hidden_plain(self, x: torch.Tensor, value_embed: torch.Tensor | None, first: int = 0,
                       saved: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Plain pre-norm residual blocks from first_block on; saved holds the U-Net skips of earlier blocks."""
-        saved = [] if saved is None else saved  # U-Net: residual stream after each encoder block
-        for l in range(2 * first_block, len(self.sublayers)):
-            sub, block = self.sublayers[l], l // 2
-            if self.unet is not None and l % 2 == 0:
-                x = self.unet.add(x, block, saved)
-            x = x + sub(x, *self._extra(l, value_embed))
-            if self.unet is not None and l % 2 == 1 and self.unet.is_encoder(block):
+        """Plain pre-norm residual blocks from virtual layer `first` on, as two lanes from model.lane_start;
+        saved holds the U-Net skips of earlier layers."""
+        saved = [] if saved is None else saved  # U-Net: residual stream after each encoder layer
+        order = self.block_order()
+        for pos in range(first, len(order)):
+            block = order[pos]
+            if self.lanes is not None and block >= self.cfg.lane_start:
+                return self._hidden_lanes(x, value_embed, pos, saved)
+            if self.unet is not None:
+                x = self.unet.add(x, pos, len(order), saved)
+            for l in (2 * block, 2 * block + 1):
+                x = x + self.sublayers[l](x, *self._extra(l, value_embed))
+            if self.unet is not None and self.unet.is_encoder(pos, len(order)):
                 saved.append(x)
         return x
+
+    def _hidden_lanes(self, x: torch.Tensor, value_embed: torch.Tensor | None, first: int,
+                      saved: list[torch.Tensor]) -> torch.Tensor:
+        """Virtual layers from `first` on (blocks lane_start.., each once) as two parallel residual lanes
+        (ParallelLanes): U-Net skips enter the attention lane a; the state a lane block saves as a skip, and the
+        readout, is (a + m) / 2, the plain stream while the lanes are equal."""
+        order = self.block_order()
+        a = m = x
+        for pos in range(first, len(order)):
+            block = order[pos]
+            if self.unet is not None:
+                a = self.unet.add(a, pos, len(order), saved)
+            attn = self.sublayers[2 * block](a, *self._extra(2 * block, value_embed))
+            mlp = self.sublayers[2 * block + 1](m)
+            a, m = self.lanes(block - self.cfg.lane_start, a, m, attn, mlp)
+            if self.unet is not None and self.unet.is_encoder(pos, len(order)):
+                saved.append((a + m) * 0.5)
+        return (a + m) * 0.5
 
     def _hidden_mhc(self, x: torch.Tensor, value_embed: torch.Tensor | None) -> torch.Tensor:
         n, it = self.cfg.n_streams, self.cfg.sinkhorn_iters
@@ -166,27 +210,35 @@ class GPT(nn.Module):
         # The stream state lives in the compute dtype (bf16 under autocast): it is the memory traffic.
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         streams = x.to(dtype).unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]).contiguous()
-        p0 = self.mhc[0]
-        self._observe_mhc_input(0, streams)
-        u, h_post, h_res = self._mhc_ops(0).pre(streams, p0.projection(), p0.alpha, p0.bias, it)
-        saved: list[torch.Tensor] = []  # U-Net: the state after each encoder block (see module doc)
+        order = self.block_order()
+        depth = len(order)
+        # The mHC virtual layers lead the order (a loop stays inside the mHC blocks or after them, ModelConfig
+        # checks); their units run in virtual order, so post_pre hands the streams to the next unit run, the same
+        # unit again at a loop's turn: repeated blocks reuse their units' parameters.
+        mhc_layers = sum(b < self.n_mhc_blocks for b in order)
         per_block = self.cfg.mhc_granularity == "block"
-        last = len(self.mhc) - 1
-        for l in range(len(self.mhc)):
-            block = l if per_block else l // 2
-            skip = self.unet.skip(block, saved, u.dtype) if self.unet is not None and (per_block or l % 2 == 0) \
+        units = list(order[:mhc_layers]) if per_block else [l for b in order[:mhc_layers] for l in (2 * b, 2 * b + 1)]
+        p0 = self.mhc[units[0]]
+        self._observe_mhc_input(units[0], streams)
+        u, h_post, h_res = self._mhc_ops(units[0]).pre(streams, p0.projection(), p0.alpha, p0.bias, it)
+        saved: list[torch.Tensor] = []  # U-Net: the state after each encoder layer (see module doc)
+        last = len(units) - 1
+        for i, l in enumerate(units):
+            pos, block = (i, l) if per_block else (i // 2, l // 2)
+            skip = self.unet.skip(pos, depth, saved, u.dtype) if self.unet is not None and (per_block or l % 2 == 0) \
                 else None
             if skip is not None:
                 u = u + skip
             y = (self._block_delta(block, u, value_embed) if per_block
                  else self.sublayers[l](u, *self._extra(l, value_embed)))
             y = (y if skip is None else y + skip).to(dtype)  # the skip reaches the streams, as in the plain one
-            if l < last:
-                p = self.mhc[l + 1]
-                streams, u, h_post, h_res = self._mhc_ops(l + 1).post_pre(streams, h_res, h_post, y, p.projection(),
-                                                                          p.alpha, p.bias, it)
-                self._observe_mhc_input(l + 1, streams)  # post_pre returned unit l+1's input with its coefficients
-                if self.unet is not None and (per_block or l % 2 == 1) and self.unet.is_encoder(block):
+            if i < last:
+                nxt = units[i + 1]
+                p = self.mhc[nxt]
+                streams, u, h_post, h_res = self._mhc_ops(nxt).post_pre(streams, h_res, h_post, y, p.projection(),
+                                                                        p.alpha, p.bias, it)
+                self._observe_mhc_input(nxt, streams)  # post_pre returned unit nxt's input with its coefficients
+                if self.unet is not None and (per_block or l % 2 == 1) and self.unet.is_encoder(pos, depth):
                     saved.append(u)  # the state after the block: what the next block reads
             else:
                 streams = self._mhc_ops(l).post(streams, h_res, h_post, y)
@@ -195,10 +247,10 @@ class GPT(nn.Module):
         # as GEMV kernels taking 3.1 ms (n=4) and 6.0 ms (n=2) of an H100 step; this inductor fuses.
         acc = torch.promote_types(streams.dtype, torch.float32)  # fp32 at least; a float64 model stays float64
         x = (streams.to(acc) * self.readout.to(acc)[:, None]).sum(dim=-2)
-        if self.unet is not None and self.unet.is_encoder(self.n_mhc_blocks - 1):
-            saved.append(x)  # the last mHC block was an encoder block: its state is the readout
-        if self.n_mhc_blocks < self.cfg.n_layers:
-            x = self._hidden_plain(x, value_embed, self.n_mhc_blocks, saved)
+        if self.unet is not None and self.unet.is_encoder(mhc_layers - 1, depth):
+            saved.append(x)  # the last mHC layer was an encoder layer: its state is the readout
+        if mhc_layers < depth:
+            x = self._hidden_plain(x, value_embed, mhc_layers, saved)
         return x
 
     def _mhc_ops(self, unit: int) -> SimpleNamespace:

@@ -35,7 +35,7 @@ from data.tokenizer import TokenizerError, build_byte_lut, file_sha256, load_sp
 from model.gpt import GPT
 from training.variants import parse_variant, split_common
 from training.run_log import output_problem
-from training.score import evaluate_artifact
+from training.score import evaluate_artifact, recorded_recurrence
 from training.config import ConfigError, load_config, to_dict
 from training.distributed import init_distributed
 from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit
@@ -69,12 +69,15 @@ def load_weights(checkpoint: Path, model: torch.nn.Module) -> tuple[str, float]:
         raise SystemExit(NO_WEIGHTS.format(checkpoint=checkpoint))
     if path.suffix == ".mhcg":
         try:
-            fit(model, load_artifact(path)[1], path)
+            meta, state = load_artifact(path)
+            fit(model, state, path)
+            model.recurrence_on = recorded_recurrence(path, meta)
         except ArtifactError as e:
             raise SystemExit(str(e)) from None
         return "artifact", 0.0
     state = torch.load(path, map_location="cpu", weights_only=True)
     fit(model, state["model"], path)
+    model.recurrence_on = bool(state.get("recurrence_on", False))  # depth recurrence as the weights last trained
     train_time_s = float(state.get("train_time_s", 0.0))
     if "ema" not in state:
         return "model", train_time_s

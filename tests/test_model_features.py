@@ -207,7 +207,7 @@ def test_unet_decoder_block_receives_its_mirror_encoder_block(n_streams, blocks,
     torch.manual_seed(0)
     model = randomize_(GPT(tiny(n_layers=5, n_streams=n_streams, unet_skips=True, mhc_blocks=blocks,
                                 mhc_granularity=granularity))).eval()
-    assert model.unet.weight.shape == (2, 32) and [model.unet.skip_index(b) for b in range(5)] == [None, None, 0, 1, None]
+    assert model.unet.weight.shape == (2, 32) and [model.unet.skip_index(b, 5) for b in range(5)] == [None, None, 0, 1, None]
     assert torch.equal(GPT(tiny(n_layers=5, unet_skips=True)).unet.weight, torch.ones(2, 32))
     idx = tokens()
     for j, enc in ((0, 1), (1, 0)):

@@ -215,6 +215,9 @@ class Checkpointer:
             state["rng_cuda"] = torch.cuda.get_rng_state()
         if self.rank == 0:  # replicated state: once is enough
             state["model"] = model.state_dict()
+            # the phase of depth recurrence the weights were trained in last, for tools that re-export them
+            # (scripts/bench_quant.py); a resume takes its phase from its progress instead
+            state["recurrence_on"] = getattr(model, "recurrence_on", False)
             if self.run_config is not None:
                 state["config"] = self.run_config
             if ema is not None:

@@ -115,7 +115,9 @@ def export_model(cfg: Config, model, *, train_files: list[str], rank: int, world
     if rank == 0:
         meta = {"model_config": dataclasses.asdict(cfg.model), "tokenizer_sha256": tokenizer_sha256,
                 "run_id": cfg.train.run_id, "seq_len": cfg.data.seq_len,
-                **{f"eval_{key}": getattr(cfg.eval, key) for key in EVAL_RECORDED}}  # scripts.evaluate's defaults
+                **{f"eval_{key}": getattr(cfg.eval, key) for key in EVAL_RECORDED},  # scripts.evaluate's defaults
+                # the phase of depth recurrence training ended in: the scorer runs the model as it was calibrated
+                **({"recurrence_on": model.recurrence_on} if cfg.model.recur_times > 1 else {})}
         t0, code = time.perf_counter(), None
         try:
             artifact_path.parent.mkdir(parents=True, exist_ok=True)

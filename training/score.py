@@ -58,7 +58,18 @@ def load_model(artifact: Path, device: torch.device) -> tuple[GPT, dict]:
         configs[0].mhc_kernels = False                          # reference computes the same function
     model = GPT(configs[0])
     model.load_state_dict(state)
+    model.recurrence_on = recorded_recurrence(artifact, meta)
     return model.to(device), meta
+
+
+def recorded_recurrence(artifact: Path, meta: dict) -> bool:
+    """Whether depth recurrence was on when training ended (the meta's recurrence_on, written where the model
+    config has model.recur_times > 1): the artifact is scored as the model was trained and calibrated last."""
+    on = meta.get("recurrence_on", False)
+    if type(on) is not bool:
+        raise ArtifactError(f"{artifact}: its meta records recurrence_on={on!r}, not true or false (hint: a damaged "
+                            "artifact, or one written by another code version)")
+    return on
 
 
 def model_config(artifact: Path, meta: dict) -> ModelConfig:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
@@ -71,7 +72,8 @@ def run_training(
     accum = grad_accum_steps(cfg, dist.world_size)
     budget = t.time_budget_s if time_budget_s is None else time_budget_s
     tokens_per_step = t.batch_tokens
-    flops_per_step = training_flops_per_token(model, cfg) * tokens_per_step
+    # per phase of depth recurrence, which runs some blocks again (MFU counts what the step computes)
+    flops_per_step = {on: training_flops_per_token(model, cfg, on) * tokens_per_step for on in (False, True)}
     peak = peak_flops(dist.device) * dist.world_size
     log(f"training: {accum} micro-steps of {t.micro_batch_seqs}x{cfg.data.seq_len} tokens on "
         f"{dist.world_size} rank(s) = {tokens_per_step:,} tokens/step; budget {f'{budget} s' if budget else 'none'}, "
@@ -86,6 +88,8 @@ def run_training(
     t_start = time.perf_counter() - start.train_time_s
     clock = lambda: time.perf_counter() - t_start - paused  # noqa: E731  (training wall clock)
     now, _ = agree(clock(), False)
+    # the phase of the progress reached (a resume lands in its phase), also where no step is left to run
+    switch_recurrence(model, training_progress(now, start.step, budget, t), start.step, log)
 
     def record_step(loss: torch.Tensor, lr_mult: float) -> None:
         nonlocal last_log_time, last_log_step
@@ -97,7 +101,7 @@ def run_training(
                       train_time_s=round(train_time, 2), done_pct=round(100 * done, 1),
                       eta_s=round(train_time / done - train_time, 1))
         if peak:
-            fields["mfu_pct"] = round(100 * flops_per_step * tok_s / tokens_per_step / peak, 1)
+            fields["mfu_pct"] = round(100 * flops_per_step[model.recurrence_on] * tok_s / tokens_per_step / peak, 1)
         bar.clear()
         log.record("step", **fields)
         bar.show(fields)
@@ -112,10 +116,9 @@ def run_training(
         if budget and now + mean_step > budget:
             stopped_by = "time_budget"
             break
-        # schedule=time: the clock, or the steps where max_steps comes first (it stops the run too: a run it ended
-        # at full learning rate shipped an EMA of un-annealed weights); schedule=steps: the steps alone
-        progress = max(min(now / budget, 1.0), step / t.max_steps) if t.schedule == "time" else step / t.max_steps
+        progress = training_progress(now, step, budget, t)
         lr_mult = lr_multiplier(progress, step, cfg.optim)
+        switch_recurrence(model, progress, step, log)  # from agreed values: every rank flips on the same step
         set_lr_and_momentum(optimizers, lr_mult, step, cfg.optim)
         loss = train_step(step_model, loader, optimizers, cfg, accum, dist.device)
         if ema is not None:
@@ -173,6 +176,22 @@ def run_training(
                        stopped_by=stopped_by)
 
 
+def training_progress(now: float, step: int, budget: float, t) -> float:
+    """The schedule's progress (0..1) at the start of `step`, from the ranks' agreed clock `now`. schedule=time: the
+    clock, or the steps where max_steps comes first (it stops the run too: a run it ended at full learning rate
+    shipped an EMA of un-annealed weights); schedule=steps: the steps alone."""
+    return max(min(now / budget, 1.0), step / t.max_steps) if t.schedule == "time" else step / t.max_steps
+
+
+def switch_recurrence(model, progress: float, step: int, log) -> None:
+    """Depth recurrence is on from the step whose progress reaches model.recur_at (GPT.recurrence_due)."""
+    on = model.recurrence_due(progress)
+    if on != model.recurrence_on:
+        model.recurrence_on = on
+        log(f"depth recurrence {'on' if on else 'off'} from step {step} (progress {progress:.3f}): "
+            f"{len(model.block_order())} virtual layers")
+
+
 def global_loss(loss: torch.Tensor) -> torch.Tensor:
     """The step's loss over the whole global batch (the mean of the ranks' losses). Each rank's own loss covers
     its share only: logged, it was 1/world_size of the batch, and a NaN on one rank's share stopped that rank
@@ -205,11 +224,17 @@ def check_state_finite(loss: torch.Tensor, model: torch.nn.Module, ema, step: in
                               "the last checkpoint was not replaced)")
 
 
-def training_flops_per_token(model: torch.nn.Module, cfg: Config) -> float:
-    """6 x (matrix + tied-head parameters) + causal attention (6 x layers x seq_len x d_model)."""
+def training_flops_per_token(model: torch.nn.Module, cfg: Config, recurrence: bool = False) -> float:
+    """6 x (matrix + tied-head parameters) + causal attention (6 x layers x seq_len x d_model), counting each block's
+    matrices and attention once per virtual layer it runs as (depth recurrence on: recur_times for the loop)."""
     groups = model.param_groups()
     matmul_params = sum(p.numel() for p in groups["matrix"]) + model.embed.weight.numel()
-    return 6.0 * matmul_params + 6.0 * cfg.model.n_layers * cfg.data.seq_len * cfg.model.d_model
+    order = cfg.model.block_order(recurrence)
+    for block, runs in Counter(order).items():  # a block's matrices again for each extra run
+        linears = [m for l in (2 * block, 2 * block + 1) for m in model.sublayers[l].modules()
+                   if isinstance(m, torch.nn.Linear)]
+        matmul_params += (runs - 1) * sum(m.weight.numel() for m in linears)
+    return 6.0 * matmul_params + 6.0 * len(order) * cfg.data.seq_len * cfg.model.d_model
 
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, per GPU
