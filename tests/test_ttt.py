@@ -15,6 +15,7 @@ from test_distributed_agreement import join_env, join_or_fail
 from test_evaluate import simple_lut
 from training import ttt
 from training.config import EVAL_RECORDED, ConfigError, EvalConfig, load_config, parse_setting
+from training.distributed import destroy, init_distributed
 from training.evaluate import evaluate_bpb, plan_windows
 from training.score import recorded_eval, score_model
 
@@ -135,14 +136,14 @@ def test_score_model_reports_the_ttt_score_beside_the_plain_one(tmp_path):
 def ranks_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     join_env(rank, world, port)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    init_distributed("cpu")  # which imports torch._dynamo before the group exists, as torch.optim.SGD needs
     try:
         model = tiny_model()
         result = ttt.evaluate_bpb_ttt(model, text(300), simple_lut(VOCAB), UNEVEN,
                                       device=CPU, rank=rank, world_size=world)
         result["weights"] = [p.detach().double().sum().item() for p in model.parameters()]
     finally:
-        torch.distributed.destroy_process_group()
+        destroy()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
@@ -198,3 +199,27 @@ def test_settings_on_the_command_line_take_the_field_types():
                          ("ttt=chunk_sgd", "expected eval.KEY"), ("eval.ttt_epochs=two", "expected an integer")):
         with pytest.raises(ConfigError, match=message):
             parse_setting(bad, "eval", keys)
+
+
+def test_a_run_scores_with_ttt_and_scripts_evaluate_reproduces_it_from_the_artifact(demo_dir, tmp_path, capsys):
+    import train
+    from scripts import evaluate
+    from test_train import REPO, tiny_overrides
+    from training.run_log import parse_log
+    final = train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
+                        "train.max_steps=2", "eval.pre_quant=false", "quant.method=rtn", "eval.max_tokens=1200", "eval.ttt=chunk_sgd",
+                        "eval.ttt_chunk_tokens=256", "eval.ttt_lr=0.02"])
+    assert final["val_bpb_ttt"] != final["val_bpb"] and final["ttt_time_s"] >= 0
+    assert parse_log(tmp_path / "logs" / "tiny.txt").final == final
+    assert "with test-time training" in capsys.readouterr().out
+    argv = ["--artifact", str(tmp_path / "runs" / "tiny.mhcg"), "--val", str(demo_dir), "--tokenizer",
+            str(demo_dir / "tokenizer.model"), "--device", "cpu"]
+    evaluate.main(argv)  # the run's TTT settings, from the artifact
+    again = json.loads(capsys.readouterr().out)
+    assert (again["val_bpb"], again["val_bpb_ttt"]) == (final["val_bpb"], final["val_bpb_ttt"])
+    evaluate.main([*argv, "eval.ttt=none"])
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["val_bpb"] == final["val_bpb"] and "val_bpb_ttt" not in plain
+    with pytest.raises(SystemExit):
+        evaluate.main([*argv, "eval.ttt_chunk_tokens=16"])
+    assert "eval.ttt_chunk_tokens=16 must be >= eval.context=32" in capsys.readouterr().err
