@@ -44,6 +44,7 @@ from training.optim import build_optimizers
 from training.run_log import RunLog, check_writable_dir, git_commit, log_path, maybe_wandb, require_wandb, versions
 from training.sources import code_digest
 from training.trainer import grad_accum_steps, run_training, train_step
+from training.ttt import TTT_KEYS
 
 REPO = Path(__file__).resolve().parent
 
@@ -355,9 +356,11 @@ def ship(cfg: Config, dist, model, ema, loader: TokenLoader, result, val: Valida
                                progress=log, before_batch=poll)
     log.record("eval", stage="artifact", seconds=round(time.perf_counter() - t0, 1), **scored)
     final.update({k: scored[k] for k in ("val_loss", "val_bpb", "tokens", "bytes", "artifact_bytes",
-                                         "code_bytes", "total_bytes", "fits_cap")})
+                                         "code_bytes", "total_bytes", "fits_cap", *TTT_KEYS) if k in scored})
     final["source_entropy_bits_per_byte"] = entropy = val.source_entropy
     log(f"summary val_bpb {final['val_bpb']:.4f}" + (f" (source entropy {entropy:.4f} bits/byte)" if entropy else "")
+        + (f", with test-time training {final['val_bpb_ttt']:.4f} in {final['ttt_time_s']:.1f} s"
+           if "val_bpb_ttt" in final else "")
         + f", artifact {final['artifact_bytes']:,} B + code {final['code_bytes']:,} B = {final['total_bytes']:,} B"
         + f" of {cfg.quant.cap_bytes:,}")
     log.final(final)

@@ -40,6 +40,7 @@ CODE_FILES = (
     "training/config.py",
     "training/evaluate.py",
     "training/score.py",
+    "training/ttt.py",
     "scripts/__init__.py",
     "scripts/evaluate.py",
 )

@@ -3,9 +3,12 @@
     python -m scripts.evaluate --artifact runs/<run>.mhcg --val 'DIR/fineweb_val_*.bin' --tokenizer T.model
 
 Prints one JSON line: val_loss, val_bpb, tokens, bytes, context, stride, artifact_bytes, code_bytes,
-total_bytes. train.py's final line comes from training.score.evaluate_artifact: the same code path. Unless
---context / --stride / --max-tokens / --batch-seqs say otherwise, it scores as the run did (its eval.context,
-eval.stride, eval.max_tokens and eval.batch_seqs, recorded in the artifact), so the number is train.py's.
+total_bytes; with test-time training, also val_loss_ttt, val_bpb_ttt and ttt_time_s. train.py's final line comes
+from training.score.evaluate_artifact: the same code path. Unless --context / --stride / --max-tokens / --batch-seqs
+and eval.ttt* settings say otherwise, it scores as the run did (its eval settings, recorded in the artifact), so the
+numbers are train.py's. Score-first test-time training beside the plain score (docs/operations.md):
+
+    python -m scripts.evaluate --artifact A.mhcg --val DIR --tokenizer T.model eval.ttt=chunk_sgd [eval.ttt_lr=...]
 The counted code is this repository's (quant.size.CODE_FILES), as train.py counts it; for an artifact that ships
 with other code, a record's, name that code: --code RECORD/train_gpt.py RECORD/config.toml.
 """
@@ -23,12 +26,15 @@ from data.loader import load_tokens
 from data.shards import ShardError, list_shards, require_token_ids, require_tokenizer
 from data.tokenizer import TokenizerError, build_byte_lut, file_sha256, load_sp, require_round_trip
 from quant.container import ArtifactError, CodecUnavailable
+from training.config import EVAL_RECORDED, ConfigError, parse_setting
 from training.evaluate import ByteAuditError, require_byte_audit
 from training.score import load_model, recorded_eval, require_same_tokenizer, score_model
 
 
 # Bad input (a path, an artifact, shards, a tokenizer, a missing codec module): the message names the file and
 # gives a hint, so it is printed alone.
+# The eval settings given as eval.KEY=VALUE: test-time training's (the window settings have their flags).
+TTT_SETTINGS = tuple(key for key in EVAL_RECORDED if key.startswith("ttt"))
 INPUT_ERRORS = (ArtifactError, ShardError, TokenizerError, ByteAuditError, CodecUnavailable, FileNotFoundError)
 
 
@@ -47,7 +53,13 @@ def main(argv=None) -> None:
                         "(a record's train_gpt.py and config.toml)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N (default: cuda where a GPU is visible)")
+    p.add_argument("settings", nargs="*", metavar="eval.KEY=VALUE",
+                   help=f"test-time training, KEY one of {', '.join(TTT_SETTINGS)} (default: the run's)")
     a = p.parse_args(argv)
+    try:
+        a.ttt = dict(parse_setting(item, "eval", TTT_SETTINGS) for item in a.settings)
+    except ConfigError as e:
+        p.error(str(e))
     try:
         device = torch.device(a.device)
     except RuntimeError:
@@ -77,11 +89,12 @@ def score(a: argparse.Namespace, p: argparse.ArgumentParser, device: torch.devic
                          "a score on them is no validation score (hint: --val DIR, or 'DIR/fineweb_val_*.bin')")
     model, meta = load_model(Path(a.artifact), device)
     eval_cfg = recorded_eval(meta, a.artifact, context=a.context, stride=a.stride, max_tokens=a.max_tokens,
-                             batch_seqs=a.batch_seqs)
+                             batch_seqs=a.batch_seqs, **a.ttt)
     try:
         eval_cfg.validate()
     except ValueError as e:
-        p.error(f"{e} (hint: from --context/--stride/--max-tokens/--batch-seqs, else recorded in {a.artifact})")
+        p.error(f"{e} (hint: from --context/--stride/--max-tokens/--batch-seqs or eval.KEY=VALUE, else recorded in "
+                f"{a.artifact})")
     sha = file_sha256(a.tokenizer)
     require_same_tokenizer(Path(a.artifact), meta, sha)
     vouched = require_tokenizer(shards, sha, a.tokenizer)

@@ -54,7 +54,9 @@ class OptimConfig:
 
 
 # The eval settings an artifact's meta records (as eval_<key>): scripts.evaluate scores with them by default.
-EVAL_RECORDED = ("context", "stride", "max_tokens", "batch_seqs")
+EVAL_RECORDED = ("context", "stride", "max_tokens", "batch_seqs", "ttt", "ttt_chunk_tokens", "ttt_lr", "ttt_momentum",
+                 "ttt_epochs", "ttt_batch_seqs")
+TTT_METHODS = ("none", "chunk_sgd")
 
 
 @dataclass
@@ -65,6 +67,13 @@ class EvalConfig:
     stride: int = 64                   # sliding-window stride; 0 = non-overlapping windows of `context`
     batch_seqs: int = 16               # windows per forward pass
     pre_quant: bool = True             # also score the unquantized (EMA) model, to report the quantization gap
+    # Score-first test-time training of the shipped artifact, scored beside the plain score (training/ttt.py)
+    ttt: str = "none"                  # none | chunk_sgd: SGD on each chunk of validation targets once it is scored
+    ttt_chunk_tokens: int = 32768      # targets per chunk; a multiple of eval.context trains on all of them
+    ttt_lr: float = 0.005              # SGD learning rate at the first chunk, cosine-decayed to 0 at the last
+    ttt_momentum: float = 0.9          # SGD momentum, carried across chunks
+    ttt_epochs: int = 3                # passes over each scored chunk
+    ttt_batch_seqs: int = 32           # sequences of eval.context tokens per SGD step, over all ranks
 
     def validate(self) -> None:
         """Raise ValueError naming the field: checked when the config loads, not after training."""
@@ -80,6 +89,29 @@ class EvalConfig:
             raise ValueError(f"eval.batch_seqs={self.batch_seqs} must be >= 1 (windows per forward pass)")
         if self.max_tokens == 1:  # one token leaves nothing to predict (BPB would divide by zero bytes)
             raise ValueError("eval.max_tokens=1 scores no token: 0 (every token) or >= 2")
+        self.validate_ttt()
+
+    def validate_ttt(self) -> None:
+        if self.ttt not in TTT_METHODS:
+            raise ValueError(f"eval.ttt={self.ttt!r}: expected one of {', '.join(TTT_METHODS)}")
+        default = EvalConfig()
+        changed = [f"eval.{key}={getattr(self, key)}" for key in EVAL_RECORDED
+                   if key.startswith("ttt_") and getattr(self, key) != getattr(default, key)]
+        if self.ttt == "none":
+            if changed:  # the setting would do nothing
+                raise ValueError(f"{', '.join(changed)} applies to test-time training, and eval.ttt is 'none' "
+                                 "(hint: set eval.ttt=chunk_sgd, or drop it)")
+            return
+        if self.ttt_chunk_tokens < self.context:  # no whole training sequence would fit in a chunk
+            raise ValueError(f"eval.ttt_chunk_tokens={self.ttt_chunk_tokens} must be >= eval.context={self.context} "
+                             "(it trains on sequences of eval.context tokens within each chunk)")
+        if not self.ttt_lr > 0:
+            raise ValueError(f"eval.ttt_lr={self.ttt_lr} must be > 0")
+        if not 0 <= self.ttt_momentum < 1:
+            raise ValueError(f"eval.ttt_momentum={self.ttt_momentum} must be in [0, 1)")
+        for name in ("ttt_epochs", "ttt_batch_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"eval.{name}={getattr(self, name)} must be >= 1")
 
 
 @dataclass
@@ -178,6 +210,16 @@ def _apply(section_obj: Any, section: str, values: dict[str, Any], source: str) 
             known = ", ".join(sorted(hints))
             raise ConfigError(f"{source}: unknown key '{section}.{key}'. Known keys in [{section}]: {known}")
         setattr(section_obj, key, _coerce(value, hints[key], f"{source}: {section}.{key}"))
+
+
+def parse_setting(item: str, section: str, keys: tuple[str, ...]) -> tuple[str, Any]:
+    """A command-line `section.key=value` with key in `keys`, as (key, value of the field's type)."""
+    name, sep, value = item.partition("=")
+    key = name.removeprefix(f"{section}.")
+    if not sep or key == name or key not in keys:
+        raise ConfigError(f"{item!r}: expected {section}.KEY=VALUE with KEY one of {', '.join(keys)}")
+    field_type = get_type_hints(type(getattr(Config(), section)))[key]
+    return key, _coerce(value, field_type, f"command line: {section}.{key}")
 
 
 def _read_toml(path: Path) -> dict:

@@ -114,6 +114,48 @@ def require_byte_audit(tokens: np.ndarray, sp, lut: ByteLUT, shards: str, tokeni
     return counted
 
 
+def batch_windows(windows: list[Window], batch_seqs: int) -> list[list[Window]]:
+    """Batches of at most `batch_seqs` windows of one length (all but the first and the last window usually share
+    one length), in plan order within each length."""
+    groups: dict[int, list[Window]] = {}
+    for w in windows:
+        groups.setdefault(w.length, []).append(w)
+    return [ws[i:i + batch_seqs] for ws in groups.values() for i in range(0, len(ws), batch_seqs)]
+
+
+def score_batch(model: torch.nn.Module, batch: list[Window], all_tokens: torch.Tensor, all_bytes: torch.Tensor,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(target index, NLL in nats as float64, bytes) of every target the windows of `batch` (of one length) score.
+    all_tokens: int64 [n]; all_bytes: the bytes of target j at index j-1."""
+    offsets = torch.arange(batch[0].length + 1)
+    starts = torch.tensor([w.start for w in batch])
+    seqs = all_tokens[starts[:, None] + offsets]
+    x, y = seqs[:, :-1].to(device, non_blocking=True), seqs[:, 1:].to(device, non_blocking=True)
+    score_from = torch.tensor([w.score_from for w in batch], device=device)
+    mask = offsets[:-1].to(device)[None, :] >= score_from[:, None]
+    byte_counts = all_bytes[starts[:, None] + offsets[:-1]].to(device, non_blocking=True)
+    targets = (starts[:, None] + offsets[1:]).to(device, non_blocking=True)
+    nll = model.token_nll(x, y).double()
+    return targets[mask], nll[mask], byte_counts[mask]
+
+
+def bpb_totals(nll_sum: torch.Tensor, n_scored: torch.Tensor, n_bytes: torch.Tensor, n_tokens: int,
+               world_size: int) -> dict:
+    """The ranks' sums (tensors, reduced in place) as the score: every target 1..n_tokens-1 must be in them once."""
+    if world_size > 1:
+        for t in (nll_sum, n_scored, n_bytes):
+            dist.all_reduce(t)
+    expected = n_tokens - 1
+    if int(n_scored) != expected:
+        raise RuntimeError(f"evaluation scored {int(n_scored)} targets, expected {expected}: window plan bug")
+    return {
+        "val_loss": float(nll_sum) / expected,
+        "val_bpb": float(nll_sum) / math.log(2) / int(n_bytes),
+        "tokens": expected,
+        "bytes": int(n_bytes),
+    }
+
+
 @torch.no_grad()
 def evaluate_bpb(
     model: torch.nn.Module,
@@ -143,45 +185,20 @@ def evaluate_bpb(
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     was_training = model.training
     model.eval()
-    # Windows of equal length batch together (all but the first and the last usually share one length).
-    groups: dict[int, list[Window]] = {}
-    for w in mine:
-        groups.setdefault(w.length, []).append(w)
     t0 = last_said = time.perf_counter()
     done = 0
-    for length, ws in groups.items():
-        offsets = torch.arange(length + 1)
-        for i in range(0, len(ws), batch_seqs):
-            if before_batch is not None:
-                before_batch()
-            if progress is not None and time.perf_counter() - last_said >= PROGRESS_EVERY_S and done:
-                last_said, elapsed = time.perf_counter(), time.perf_counter() - t0
-                progress(f"scoring: {done:,} of {len(mine):,} windows in {elapsed:.0f} s, about "
-                         f"{elapsed * (len(mine) - done) / done:.0f} s left")
-            chunk = ws[i:i + batch_seqs]
-            done += len(chunk)
-            starts = torch.tensor([w.start for w in chunk])
-            seqs = all_tokens[starts[:, None] + offsets]
-            x, y = seqs[:, :-1].to(device, non_blocking=True), seqs[:, 1:].to(device, non_blocking=True)
-            score_from = torch.tensor([w.score_from for w in chunk], device=device)
-            mask = offsets[:-1].to(device)[None, :] >= score_from[:, None]
-            byte_counts = all_bytes[starts[:, None] + offsets[:-1]].to(device, non_blocking=True)
-            with amp:
-                nll = model.token_nll(x, y).double()
-            nll_sum += nll[mask].sum()
-            n_scored += mask.sum()
-            n_bytes += byte_counts[mask].sum()
+    for batch in batch_windows(mine, batch_seqs):
+        if before_batch is not None:
+            before_batch()
+        if progress is not None and time.perf_counter() - last_said >= PROGRESS_EVERY_S and done:
+            last_said, elapsed = time.perf_counter(), time.perf_counter() - t0
+            progress(f"scoring: {done:,} of {len(mine):,} windows in {elapsed:.0f} s, about "
+                     f"{elapsed * (len(mine) - done) / done:.0f} s left")
+        done += len(batch)
+        with amp:
+            _, nll, byte_counts = score_batch(model, batch, all_tokens, all_bytes, device)
+        nll_sum += nll.sum()
+        n_scored += nll.numel()
+        n_bytes += byte_counts.sum()
     model.train(was_training)
-    if world_size > 1:
-        for t in (nll_sum, n_scored, n_bytes):
-            dist.all_reduce(t)
-    expected = len(tokens) - 1
-    if int(n_scored) != expected:
-        raise RuntimeError(f"evaluation scored {int(n_scored)} targets, expected {expected}: window plan bug")
-    val_loss = float(nll_sum) / expected
-    return {
-        "val_loss": val_loss,
-        "val_bpb": float(nll_sum) / math.log(2) / int(n_bytes),
-        "tokens": expected,
-        "bytes": int(n_bytes),
-    }
+    return bpb_totals(nll_sum, n_scored, n_bytes, len(tokens), world_size)

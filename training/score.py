@@ -4,6 +4,7 @@ with the size that ships. train.py's final line and `python -m scripts.evaluate`
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from quant.container import ArtifactError, check_meta, load_artifact
 from quant.size import check_total, code_bytes
 from training.config import EVAL_RECORDED, EvalConfig
 from training.evaluate import evaluate_bpb
+from training.ttt import evaluate_bpb_ttt
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,18 +104,27 @@ def require_same_tokenizer(artifact: Path, meta: dict, tokenizer_sha256: str) ->
                             f"evaluating with {tokenizer_sha256[:12]}… (hint: pass the run's tokenizer)")
 
 
-def recorded_eval(meta: dict, source: str | Path = "the artifact", **given: int | None) -> EvalConfig:
-    """How the run scored itself (the meta's eval_context, eval_stride, eval_max_tokens, eval_batch_seqs), under
-    any value `given` that is not None. Artifacts written before these were recorded get EvalConfig's defaults.
-    `source` names the artifact in errors."""
+def recorded_eval(meta: dict, source: str | Path = "the artifact", **given) -> EvalConfig:
+    """How the run scored itself (the meta's eval_<key> for each key of EVAL_RECORDED), under any value `given`
+    that is not None. Artifacts written before a key was recorded get EvalConfig's default for it. Scoring without
+    test-time training (given ttt="none") leaves the recorded ttt_* settings out. `source` names the artifact in
+    errors."""
     default = EvalConfig()
     recorded = {key: meta.get(f"eval_{key}", getattr(default, key)) for key in EVAL_RECORDED}
-    wrong = [key for key, value in recorded.items() if type(value) is not int]
-    if wrong:
-        raise ArtifactError(f"{source}: its meta records eval_{wrong[0]}={recorded[wrong[0]]!r}, not an integer "
-                            "(hint: a damaged artifact; --context/--stride/--max-tokens/--batch-seqs set them)")
+    for key, value in recorded.items():
+        want = type(getattr(default, key))
+        if not (type(value) is want or (want is float and type(value) is int)):
+            raise ArtifactError(f"{source}: its meta records eval_{key}={value!r}, not {KIND_NAMES[want]} (hint: a "
+                                "damaged artifact; --context/--stride/--max-tokens/--batch-seqs and eval.KEY=VALUE "
+                                "set them)")
     settings = {**recorded, **{key: value for key, value in given.items() if value is not None}}
+    if settings["ttt"] == "none":
+        settings.update({key: getattr(default, key) for key in EVAL_RECORDED
+                         if key.startswith("ttt_") and given.get(key) is None})
     return EvalConfig(**settings)
+
+
+KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
 
 
 def evaluate_artifact(artifact: str | Path, val_tokens, lut: ByteLUT, eval_cfg: EvalConfig, *,
@@ -131,16 +142,24 @@ def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT
                 tokenizer_sha256: str | None = None, progress=None, before_batch=None,
                 shipped_code: list[Path] | None = None) -> dict:
     """BPB of the model loaded from `artifact`, and the shipped size (artifact + counted code: the repository's,
-    or the files of `shipped_code`). progress and before_batch: see training.evaluate.evaluate_bpb."""
+    or the files of `shipped_code`). With eval_cfg.ttt, the score-first test-time training pass's too (val_loss_ttt,
+    val_bpb_ttt, and its wall-clock ttt_time_s), after the plain score: it trains `model` in place.
+    progress and before_batch: see training.evaluate.evaluate_bpb."""
     if tokenizer_sha256:
         require_same_tokenizer(artifact, meta, tokenizer_sha256)
+    amp = torch.bfloat16 if device.type == "cuda" else None
     result = evaluate_bpb(model, val_tokens, lut, context=eval_cfg.context, stride=eval_cfg.stride,
-                          batch_seqs=eval_cfg.batch_seqs, device=device,
-                          autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+                          batch_seqs=eval_cfg.batch_seqs, device=device, autocast_dtype=amp,
                           rank=rank, world_size=world_size, progress=progress, before_batch=before_batch)
+    if eval_cfg.ttt != "none":
+        t0 = time.perf_counter()  # the pass ends in an all-reduce and a host read: the GPU has finished by then
+        ttt = evaluate_bpb_ttt(model, val_tokens, lut, eval_cfg, device=device, autocast_dtype=amp, rank=rank,
+                               world_size=world_size, progress=progress, before_batch=before_batch)
+        result.update(val_loss_ttt=ttt["val_loss"], val_bpb_ttt=ttt["val_bpb"],
+                      ttt_time_s=round(time.perf_counter() - t0, 1))
     code = code_bytes(REPO) if shipped_code is None else sum(f.stat().st_size for f in shipped_code)
     sizes = check_total(artifact.stat().st_size, code)
-    result.update(context=eval_cfg.context, stride=eval_cfg.stride, max_tokens=eval_cfg.max_tokens,
+    result.update(context=eval_cfg.context, stride=eval_cfg.stride, max_tokens=eval_cfg.max_tokens, ttt=eval_cfg.ttt,
                   artifact_bytes=sizes["artifact_bytes"], code_bytes=sizes["code_bytes"],
                   total_bytes=sizes["total_bytes"], fits_cap=sizes["fits"])
     return result
