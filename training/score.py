@@ -104,6 +104,9 @@ def require_same_tokenizer(artifact: Path, meta: dict, tokenizer_sha256: str) ->
                             f"evaluating with {tokenizer_sha256[:12]}… (hint: pass the run's tokenizer)")
 
 
+KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}  # of the recorded eval settings, in errors
+
+
 def recorded_eval(meta: dict, source: str | Path = "the artifact", **given) -> EvalConfig:
     """How the run scored itself (the meta's eval_<key> for each key of EVAL_RECORDED), under any value `given`
     that is not None. Artifacts written before a key was recorded get EvalConfig's default for it. Scoring without
@@ -122,9 +125,6 @@ def recorded_eval(meta: dict, source: str | Path = "the artifact", **given) -> E
         settings.update({key: getattr(default, key) for key in EVAL_RECORDED
                          if key.startswith("ttt_") and given.get(key) is None})
     return EvalConfig(**settings)
-
-
-KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}
 
 
 def evaluate_artifact(artifact: str | Path, val_tokens, lut: ByteLUT, eval_cfg: EvalConfig, *,
@@ -147,13 +147,13 @@ def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT
     progress and before_batch: see training.evaluate.evaluate_bpb."""
     if tokenizer_sha256:
         require_same_tokenizer(artifact, meta, tokenizer_sha256)
-    amp = torch.bfloat16 if device.type == "cuda" else None
+    autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
     result = evaluate_bpb(model, val_tokens, lut, context=eval_cfg.context, stride=eval_cfg.stride,
-                          batch_seqs=eval_cfg.batch_seqs, device=device, autocast_dtype=amp,
+                          batch_seqs=eval_cfg.batch_seqs, device=device, autocast_dtype=autocast_dtype,
                           rank=rank, world_size=world_size, progress=progress, before_batch=before_batch)
     if eval_cfg.ttt != "none":
         t0 = time.perf_counter()  # the pass ends in an all-reduce and a host read: the GPU has finished by then
-        ttt = evaluate_bpb_ttt(model, val_tokens, lut, eval_cfg, device=device, autocast_dtype=amp, rank=rank,
+        ttt = evaluate_bpb_ttt(model, val_tokens, lut, eval_cfg, device=device, autocast_dtype=autocast_dtype, rank=rank,
                                world_size=world_size, progress=progress, before_batch=before_batch)
         result.update(val_loss_ttt=ttt["val_loss"], val_bpb_ttt=ttt["val_bpb"],
                       ttt_time_s=round(time.perf_counter() - t0, 1))
