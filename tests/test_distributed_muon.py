@@ -4,6 +4,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
@@ -133,9 +134,14 @@ def live_thread_names() -> list[str]:
     return [open(f"{tasks}/{t}/comm").read().strip() for t in os.listdir(tasks)]
 
 
-def teardown_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def teardown_worker(rank: int, world: int, port: int, out_dir: str, made_by: str) -> None:
     """A sharded step (async reduce-scatter and all-gather), destroy(), then the threads still alive."""
-    join_group(rank, world, port)
+    if made_by == "init_distributed":
+        join_group(rank, world, port)
+    else:  # a group made without init_distributed, in a process that imported training.distributed
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     model = Chain([(8, 8), (8, 8), (8, 8)])
     opts = build_optimizers(model.param_groups(), CFG)  # constructing an optimizer imports torch._dynamo
     accumulate(model, 0, rank)
@@ -146,10 +152,13 @@ def teardown_worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through Linux's /proc")
-def test_destroy_ends_the_gloo_worker_threads(tmp_path, free_port):
-    """A gloo worker thread alive at interpreter shutdown can free a collective's tensor there and abort
-    the process after its work is done (torchrun then reports a failed rank): destroy() must end them."""
-    mp.spawn(teardown_worker, args=(2, free_port, str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("made_by", ["init_distributed", "init_process_group"])
+def test_destroy_ends_the_gloo_and_store_threads(tmp_path, free_port, made_by):
+    """A gloo or TCP-store thread alive at interpreter shutdown can free a collective's tensor there and abort
+    the process after its work is done (torchrun then reports a failed rank): destroy() must end them, also
+    for a group made directly (a test's spawned ranks), which the optimizers' lazy imports meet after it exists."""
+    mp.spawn(teardown_worker, args=(2, free_port, str(tmp_path), made_by), nprocs=2, join=True)
     for rank in range(2):
         names = (tmp_path / f"threads{rank}.txt").read_text().split("\n")
-        assert not [n for n in names if "gloo" in n], f"rank {rank} threads after destroy(): {names}"
+        left = [n for n in names if "gloo" in n or "tcpstore" in n]
+        assert not left, f"rank {rank} threads after destroy(): {names}"

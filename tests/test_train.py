@@ -18,6 +18,7 @@ from model.gpt import GPT
 from quant.container import load_artifact
 from training.run_log import parse_log
 from training.config import ConfigError, load_config
+from training.distributed import destroy, init_distributed
 from training.optim import build_optimizers
 from training.trainer import grad_accum_steps, train_step
 
@@ -244,9 +245,10 @@ def test_the_step_clips_gradients_at_optim_grad_clip():
 
 
 def run_steps(rank: int, world: int, port: int, n_steps: int, out: str) -> None:
-    if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    if world > 1:  # joins as train.py does: torchrun's environment, init_distributed, destroy
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        init_distributed("cpu")
     try:
         cfg = load_config(REPO / "configs/demo.toml", ["model.n_layers=2", "model.d_model=32", "model.n_heads=2",
                                                        "model.n_kv_heads=1", "model.vocab_size=64", "data.seq_len=16",
@@ -266,8 +268,7 @@ def run_steps(rank: int, world: int, port: int, n_steps: int, out: str) -> None:
         if rank == 0:
             torch.save({"losses": losses, "params": [p.detach() for p in model.parameters()]}, out)
     finally:
-        if world > 1:
-            dist.destroy_process_group()
+        destroy()
 
 
 

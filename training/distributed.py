@@ -6,13 +6,20 @@ Muon with a reduce-scatter — clips with the averaged gradients, and steps.
 """
 from __future__ import annotations
 
-import importlib
 import os
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+# Before any process group exists: torch.distributed.nn.functional binds `group=group.WORLD` as the default argument
+# of its collectives when it is imported (torch 2.13). Imported while a group exists (torch.optim and torch.compile
+# import it lazily, through torch._dynamo), its ten functions keep that group, which destroy_process_group then cannot
+# free, and the group's gloo threads and the TCP store's thread live on into interpreter shutdown. One of them
+# releasing a finished collective's tensor there takes the GIL during finalization, and the process aborts
+# ("terminate called without an active exception", SIGABRT) after its work is done. Imported with the module that
+# makes the groups, before any exists, it holds none, and destroy() ends them.
+import torch.distributed.nn  # noqa: F401
 from torch import Tensor
 
 from training.config import ConfigError
@@ -57,11 +64,6 @@ def init_distributed(device: str = "auto") -> DistInfo:
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
-    # torch._dynamo first: imported while a group exists (torch.compile and torch.optim import it), it
-    # keeps references to that group which destroy_process_group cannot drop (torch 2.13), so gloo's
-    # worker threads outlive destroy(). One of them may then free the last reference to a collective's
-    # tensor while the interpreter shuts down; taking the GIL there aborts the finished process (SIGABRT).
-    importlib.import_module("torch._dynamo")
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
     global _CPU_GROUP
     # Created now, while every rank is alive: a group created later (at the first step) waits on a rank that died
