@@ -199,16 +199,21 @@ def test_mhc_blocks_wraps_the_first_blocks_and_leaves_the_rest_plain(granularity
         GPT(tiny(n_streams=0, mhc_blocks=1))
 
 
-def test_mhc_blocks_with_the_triton_kernels_matches_the_reference():
+# the second layout runs both mHC blocks twice (depth recurrence): every unit's kernels run twice in one forward,
+# and their gradients must add up to the reference's
+@pytest.mark.parametrize("layout", [dict(n_streams=2, mhc_blocks=1),
+                                    dict(n_streams=2, n_layers=3, mhc_blocks=2, recur_end=1, recur_times=2)])
+def test_mhc_blocks_with_the_triton_kernels_matches_the_reference(layout):
     """The partial network through the kernels (the interpreter on CPU, fp32): the last mHC unit is an
     apply alone (post), then the readout and the plain block; logits and every gradient as the reference."""
     from kernels import mhc as K
     if not (K.HAVE_TRITON and K.INTERPRET):
         pytest.skip("needs the Triton interpreter (TRITON_INTERPRET=1, no CUDA; tests/conftest.py sets it)")
     torch.manual_seed(0)
-    ref = randomize_(GPT(tiny(n_streams=2, mhc_blocks=1)))
-    ker = GPT(tiny(n_streams=2, mhc_blocks=1, mhc_kernels=True))
+    ref = randomize_(GPT(tiny(**layout)))
+    ker = GPT(tiny(**layout, mhc_kernels=True))
     ker.load_state_dict(ref.state_dict())
+    ref.recurrence_on = ker.recurrence_on = True  # a no-op without recur_times > 1
     idx = torch.randint(0, 64, (2, 16))
     ref(idx, idx).backward()
     ker(idx, idx).backward()
@@ -219,24 +224,20 @@ def test_mhc_blocks_with_the_triton_kernels_matches_the_reference():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled kernels in bf16)")
-# the last layout runs blocks 0-1 (both with mHC) twice: each mHC unit's kernels run twice in one forward, and
-# their gradients must add up
-@pytest.mark.parametrize("layout", [dict(n_streams=4), dict(n_streams=2, mhc_blocks=1),
-                                    dict(n_streams=2, n_layers=3, mhc_blocks=2, recur_end=1, recur_times=2)])
+@pytest.mark.parametrize("layout", [dict(n_streams=4), dict(n_streams=2, mhc_blocks=1)])
 def test_gpu_model_with_the_triton_kernels_is_as_close_to_fp32_as_the_bf16_reference(layout):
     """The whole network on a GPU under bf16 autocast, the compiled mHC kernels and the PyTorch reference, each
     against the reference in fp32: the kernels' loss and every gradient at most twice as far off as the bf16
     reference's (plus a little). Compared with each other directly, sums that cancel (d alpha) differ by ~50% in bf16
     on both sides (the interpreter test above compares the kernels with the reference exactly, in fp32)."""
     torch.manual_seed(0)
-    cfg = dict(vocab_size=64, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2) | layout
+    cfg = dict(vocab_size=64, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, **layout)
     ref = randomize_(GPT(ModelConfig(**cfg))).cuda()
     idx = torch.randint(0, 64, (4, 64), device="cuda")
     runs = {}
     for name, kernels, bf16 in (("fp32", False, False), ("reference", False, True), ("kernels", True, True)):
         model = GPT(ModelConfig(**cfg, mhc_kernels=kernels)).cuda()
         model.load_state_dict(ref.state_dict())
-        model.recurrence_on = True  # a no-op without recur_times > 1
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
             loss = model(idx, idx)
         loss.backward()
