@@ -17,7 +17,9 @@ from quant.size import code_bytes
 from scripts import export_record
 from scripts.export_record import (collect_modules, config_toml, embedded_sources, generate_script, imported_names,
                                    record_config, source_literal)
+from training.minify import strip_source
 from training.run_log import parse_lines, parse_log
+from training.sources import code_digest, module_sources, sources_digest
 from training.config import ConfigError, load_config, to_dict
 
 
@@ -46,22 +48,26 @@ def test_source_literal_round_trips(source):
 
 
 @pytest.mark.parametrize("packed", [True, False])
-def test_generated_script_embeds_sources_verbatim(packed):
+def test_generated_script_embeds_the_sources_stripped_or_verbatim(packed):
+    """Packed, the modules are stripped (training.minify); plain, verbatim. Either way the script logs the digest of
+    the repository's sources, which a run of this checkout logs: a record's runs compare with the checkout's."""
     modules = collect_modules(REPO)
     script = generate_script(modules, "title", "abc1234", packed=packed)
     namespace: dict = {"__name__": "not_main", "__file__": "/nowhere/train_gpt.py"}
     exec(compile(script, "train_gpt.py", "exec"), namespace)  # defines, does not run
     assert set(namespace["MODULES"]) == set(modules)
-    assert namespace["MODULES"]["training.trainer"] == (False, (REPO / "training/trainer.py").read_text())
+    trainer = (REPO / "training/trainer.py").read_text()
+    assert namespace["MODULES"]["training.trainer"] == (False, strip_source(trainer) if packed else trainer)
+    assert namespace["CODE_DIGEST"] == code_digest(REPO) == sources_digest(module_sources(modules))
     assert namespace["MODULES"]["quant"][0] is True
     assert embedded_sources(script) == namespace["MODULES"]
     assert ("PACKED = b'" in script) == packed
 
 
-def test_packed_script_is_a_third_of_the_plain_one_and_unpacks_to_the_sources(tmp_path):
+def test_packed_script_is_a_fifth_of_the_plain_one_and_unpacks_to_modules_that_import(tmp_path):
     modules = collect_modules(REPO)
     packed, plain = (len(generate_script(modules, "t", "c", packed=p).encode()) for p in (True, False))
-    assert packed < 0.45 * plain
+    assert packed < 0.2 * plain
     assert packed < code_bytes(REPO), "a record must count less code than the repository run it comes from"
     script = tmp_path / "train_gpt.py"
     script.write_text(generate_script(modules, "t", "c"))
@@ -71,7 +77,11 @@ def test_packed_script_is_a_third_of_the_plain_one_and_unpacks_to_the_sources(tm
     assert done.returncode == 0, done.stderr
     for name, (path, is_pkg) in modules.items():
         rel = path.relative_to(REPO)
-        assert (tmp_path / "src" / rel).read_text() == path.read_text(), rel
+        assert (tmp_path / "src" / rel).read_text() == strip_source(path.read_text()), rel
+    imports = subprocess.run([sys.executable, "-c", f"import importlib; [importlib.import_module(n) for n in "
+                              f"{sorted(modules)!r}]; import train; print(train.__file__)"],
+                             cwd=tmp_path / "src", env=env, capture_output=True, text=True, timeout=120)
+    assert imports.returncode == 0 and imports.stdout.strip() == str(tmp_path / "src/train.py"), imports.stderr
     (tmp_path / "src" / "train.py").write_text("# edited")  # unpacking again would overwrite an edit
     again = subprocess.run([sys.executable, str(script), "--unpack", str(tmp_path / "src")], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=60)
@@ -215,7 +225,7 @@ def test_bad_runs_are_refused_and_nothing_is_written(tiny_seed_runs, tmp_path):
     late = tmp_path / "late.txt"  # calibration on training tokens ran past the budget's reserve
     late.write_text(tiny_seed_runs.logs[1].read_text()
                     + f"final {json.dumps({**final, 'calib_within_budget': False, 'calib_total_s': 9.0})}\n")
-    # within the cap under its run's own code count, not beside the ~130 KB train_gpt.py and config.toml that ship
+    # within the cap under its run's own code count, not beside the ~95 KB train_gpt.py and config.toml that ship
     tight = tmp_path / "tight.txt"
     tight.write_text(tiny_seed_runs.logs[1].read_text() + "final " + json.dumps(
         {**final, "artifact_bytes": 15_950_000, "code_bytes": 50_000, "total_bytes": 16_000_000}) + "\n")
@@ -226,7 +236,7 @@ def test_bad_runs_are_refused_and_nothing_is_written(tiny_seed_runs, tmp_path):
              ([subset], "subset.txt: scored on the first eval.max_tokens=1000 validation tokens only"),
              ([tiny_seed_runs.logs[0]] * 2, "runs share a seed"),
              ([twice], r"twice.txt: holds 2 runs appended under one run_id"),
-             ([tight], rf"seed {TINY_SEEDS[1]}: artifact 15,950,000 \+ code 1\d\d,\d\d\d bytes = 16,\d\d\d,\d\d\d, over "
+             ([tight], rf"seed {TINY_SEEDS[1]}: artifact 15,950,000 \+ code \d\d,\d\d\d bytes = 16,\d\d\d,\d\d\d, over "
                        r"the 16,000,000-byte cap \(hint: the code counted is what ships"),
              ([late], r"late.txt: .*and calibration on training tokens \(9.0 s\) took longer than train.time_budget_s")]
     for runs, message in cases:
@@ -253,7 +263,7 @@ def test_record_reproduces_the_repository_run_from_an_empty_folder(tiny_seed_run
     # Same code, config and seed: the same counts exactly, and the same losses to float noise. Not bit for bit:
     # CI once logged 3.1384032 in the repository run and 3.1383987 in the record (1.4e-6 relative) on one
     # machine, which no local rerun reproduced; a different recipe moves these numbers by far more than 1e-5.
-    # The cap binds (conftest.TINY_BUDGET): the allocation filled the budget. train_gpt.py counts ~100 KB less code
+    # The cap binds (conftest.TINY_BUDGET): the allocation filled the budget. train_gpt.py counts less code
     # than the checkout did, and deriving its budget from that it built a larger, all-int6 artifact with another score;
     # the record's config pins the runs' budget, so it rebuilds their widths and bytes.
     assert logged.final["artifact_bytes"] > 0.99 * logged.final["budget_bytes"], \
@@ -265,6 +275,7 @@ def test_record_reproduces_the_repository_run_from_an_empty_folder(tiny_seed_run
     assert {k: final[k] for k in floats} == pytest.approx({k: logged.final[k] for k in floats}, rel=1e-5)
     assert [s["loss"] for s in again.steps] == pytest.approx([s["loss"] for s in logged.steps], rel=1e-5)
     assert [e["val_bpb"] for e in again.evals] == pytest.approx([e["val_bpb"] for e in logged.evals], rel=1e-5)
+    assert again.code == logged.code, "the record's stripped modules log the digest of the sources they came from"
     assert final["code_bytes"] == (record / "train_gpt.py").stat().st_size + (record / "config.toml").stat().st_size
     assert (record / "runs" / f"{logged.run_id}.mhcg").stat().st_size == final["artifact_bytes"]
     # Its command line is train.py's: --config is optional (the record's config.toml), bad input is one line.

@@ -4,7 +4,7 @@ collect_modules walks train.py's imports (lazy ones inside functions too) throug
 not depend on the config a run takes. code_digest hashes those sources: two runs with the same digest ran the same
 code, whatever git said (a checkout with a stale .git, uncommitted edits). scripts.reproduce and
 scripts.export_record compare it before they count a logged run as a run of the code at hand. A record's
-train_gpt.py replaces code_digest with the digest of the sources it carries (the same set, so the same digest).
+train_gpt.py carries these sources stripped (training.minify) and logs the digest of the originals, which it holds.
 """
 from __future__ import annotations
 
