@@ -251,3 +251,11 @@ def test_the_lanes_init_in_the_limit_is_the_lanes_model_while_attention_writes_n
         idx = tokens()
         ref = lanes.hidden(idx)
         assert torch.allclose(mhc.hidden(idx), ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
+
+
+def test_an_mhc_range_with_every_option_traces_as_one_graph():
+    torch.manual_seed(0)
+    model = randomize_(GPT(tiny(n_layers=5, n_streams=2, mhc_start=2, mhc_blocks=2, **ALL_ON))).eval()
+    idx = tokens()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    assert torch.allclose(compiled(idx), model(idx), atol=1e-6)
