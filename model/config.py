@@ -15,6 +15,7 @@ from dataclasses import dataclass
 MAX_BIGRAM_VOCAB = 46339
 ATTENTION_BACKENDS = ("auto", "sdpa", "fa3")
 MHC_GRANULARITIES = ("sublayer", "block")
+MHC_INITS = ("plain", "lanes")
 # What the Triton mHC kernels are built and tested for (kernels/_triton_util.py::check_streams reads these too):
 # stream counts, and the stream width's multiple (tl.dot tiles are 16 wide).
 KERNEL_STREAMS = (2, 4, 8)
@@ -33,7 +34,9 @@ class ModelConfig:
     sinkhorn_iters: int = 20           # Sinkhorn-Knopp rounds for H_res
     mhc_alpha_init: float = 0.01       # initial alpha_pre/post/res
     mhc_granularity: str = "sublayer"  # sublayer: around attention and MLP; block: around each block (half the traffic)
-    mhc_blocks: int = 0                # mHC on the first k blocks only, plain residual after them; 0 = all blocks
+    mhc_blocks: int = 0                # mHC on k blocks from mhc_start only, plain residual around them; 0 = all blocks
+    mhc_start: int = 0                 # the first mHC block (plain blocks before it feed the streams copies of x)
+    mhc_init: str = "plain"            # plain: mHC starts as the plain residual; lanes: n=2 starts as the lanes
     rope_base: float = 10000.0
     rope_dims: int = 0                 # partial RoPE: rotate the first rope_dims dims of each head; 0 = all
     logit_softcap: float = 30.0        # tanh softcap on logits; 0 disables
@@ -77,8 +80,13 @@ class ModelConfig:
 
     @property
     def n_mhc_blocks(self) -> int:
-        """Leading blocks with mHC (all of them for mhc_blocks = 0); none in the plain network."""
+        """Blocks with mHC (all of them for mhc_blocks = 0); none in the plain network."""
         return (self.mhc_blocks or self.n_layers) if self.n_streams > 1 else 0
+
+    @property
+    def mhc_end(self) -> int:
+        """One past the last mHC block: mHC covers blocks mhc_start..mhc_end-1."""
+        return self.mhc_start + self.n_mhc_blocks
 
     def block_order(self, recurrence: bool) -> tuple[int, ...]:
         """The physical block of each virtual layer, in the order the forward runs them: every block once, or with
@@ -164,6 +172,7 @@ class ModelConfig:
             raise ValueError(f"model.mhc_blocks={self.mhc_blocks} needs n_streams >= 2, got n_streams="
                              f"{self.n_streams} (hint: a single stream has no mHC; set "
                              "model.mhc_blocks=0 as well)")
+        self._validate_mhc_range()
         if not 0 <= self.attn_gate_width <= self.d_model:
             raise ValueError(f"model.attn_gate_width={self.attn_gate_width} must be in [0, d_model={self.d_model}] "
                              "(the gate reads the first k channels of the attention input; 0 = all of them)")
@@ -175,8 +184,33 @@ class ModelConfig:
                              "one encoder and one decoder block")
         self._validate_recurrence_and_lanes()
 
+    def _validate_mhc_range(self) -> None:
+        """mhc_start and mhc_init: a range of existing blocks, and an init that the layout can start from."""
+        start, n = self.mhc_start, self.n_layers
+        if not 0 <= start < n:
+            raise ValueError(f"model.mhc_start={start} must be in [0, n_layers={n}) (the first block with mHC)")
+        if start and (self.n_streams == 1 or not self.mhc_blocks):
+            raise ValueError(f"model.mhc_start={start} needs n_streams >= 2 and model.mhc_blocks >= 1, got n_streams="
+                             f"{self.n_streams}, mhc_blocks={self.mhc_blocks} (hint: mhc_blocks=0 means every block, "
+                             "from block 0; set the number of mHC blocks)")
+        if start + self.mhc_blocks > n:
+            raise ValueError(f"model.mhc_start={start} + model.mhc_blocks={self.mhc_blocks} must be <= n_layers={n} "
+                             f"(mHC covers blocks mhc_start..mhc_start+mhc_blocks-1)")
+        if self.mhc_init not in MHC_INITS:
+            raise ValueError(f"model.mhc_init={self.mhc_init!r}: expected 'plain' (mHC starts as the plain residual) "
+                             "or 'lanes' (n_streams=2 starts as the parallel residual lanes)")
+        if self.mhc_init == "lanes" and (self.n_streams != 2 or self.mhc_granularity != "sublayer"):
+            raise ValueError(f"model.mhc_init='lanes' needs n_streams=2 and mhc_granularity='sublayer' (stream a "
+                             "feeds attention, stream m the MLP), got n_streams="
+                             f"{self.n_streams}, mhc_granularity={self.mhc_granularity!r}")
+        if self.mhc_init == "lanes" and self.recur_times > 1 and self.recur_start < self.mhc_end \
+                and self.recur_end >= start:
+            raise ValueError(f"model.mhc_init='lanes' with model.recur_start={self.recur_start}..recur_end="
+                             f"{self.recur_end} inside the mHC blocks {start}..{self.mhc_end - 1}: the init writes each "
+                             "mHC block as one lane block of a single pass (hint: loop blocks outside the mHC range)")
+
     def _validate_recurrence_and_lanes(self) -> None:
-        n, k = self.n_layers, self.n_mhc_blocks
+        n, s, k = self.n_layers, self.mhc_start, self.mhc_end
         if self.recur_times < 1:
             raise ValueError(f"model.recur_times={self.recur_times} must be >= 1 (1 = no depth recurrence; the records "
                              "ran blocks 3-5 three times)")
@@ -192,13 +226,18 @@ class ModelConfig:
             raise ValueError(f"model.recur_start={self.recur_start}..recur_end={self.recur_end} spans the last mHC "
                              f"block ({k - 1}, model.mhc_blocks={self.mhc_blocks}) and the plain blocks after it: the "
                              "streams are read out after the last mHC block, so a loop cannot go back into mHC (hint: "
-                             f"a range inside blocks 0..{k - 1} or {k}..{n - 1})")
+                             f"a range inside blocks {s}..{k - 1} or {k}..{n - 1})")
+        if recurs and self.recur_start < s <= self.recur_end:
+            raise ValueError(f"model.recur_start={self.recur_start}..recur_end={self.recur_end} spans the first mHC "
+                             f"block ({s}, model.mhc_start={s}) and the plain blocks before it: the stream enters the "
+                             "mHC streams once, so a loop cannot go back out of mHC (hint: a range inside blocks "
+                             f"0..{s - 1} or {s}..{k - 1})")
         if not 0 <= self.lane_start < n:
             raise ValueError(f"model.lane_start={self.lane_start} must be in [0, n_layers={n}) (the first block of "
                              "the two residual lanes; 0 = no lanes)")
         if self.lane_start and self.lane_start < k:
             raise ValueError(f"model.lane_start={self.lane_start} with n_streams={self.n_streams}: the lanes run on "
-                             f"plain blocks only, and blocks 0..{k - 1} have mHC (model.mhc_blocks={self.mhc_blocks}) "
+                             f"plain blocks only, and blocks {s}..{k - 1} have mHC (model.mhc_blocks={self.mhc_blocks}) "
                              f"(hint: lane_start >= {k}, or a smaller model.mhc_blocks)")
         if self.lane_start and recurs and self.recur_end >= self.lane_start:
             raise ValueError(f"model.recur_end={self.recur_end} with model.lane_start={self.lane_start}: the repeated "

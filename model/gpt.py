@@ -16,10 +16,12 @@ the residual before the mirror decoder block, so that mHC starts as the plain ne
     the apply adds to every stream i times H_post[i] (1 at init): the plain x + s + F(x + s). Both are C
     values per token between the kernel calls; adding s to the n streams themselves would cost n*C reads
     and writes per token and a change to the fused calls.
-With mhc_blocks = k > 0 only the first k blocks have mHC: after them the head's learned readout
-collapses the streams into one residual stream and the remaining blocks are plain, so the stream
-traffic (the cost of mHC) scales with k. A skip then carries u (or the readout) from an mHC encoder block
-and x from a plain one, and is added by the decoder block as its wiring takes it.
+With mhc_blocks = k > 0 only blocks mhc_start..mhc_start+k-1 have mHC: the plain residual stream x before them
+enters as n copies (as the embedding does when mHC starts at block 0), after them the learned readout collapses
+the streams into one residual stream, and the other blocks are plain, so the stream traffic (the cost of mHC)
+scales with k. A skip then carries u (or the readout) from an mHC encoder block and x from a plain one, and is
+added by the decoder block as its wiring takes it. mhc_init = "lanes" starts an n=2 range as the parallel residual
+lanes instead of the plain residual (GPT._init_mhc_as_lanes).
 
 Depth recurrence (model.recur_*) runs a range of blocks several times in a row once training reaches
 model.recur_at: the forward follows a virtual layer sequence of block indices (block_order), mHC streams flow
@@ -39,9 +41,9 @@ import torch.nn.functional as F
 from kernels import mhc_reference
 from kernels.mhc_reference import mhc_projection_input
 from model.config import ModelConfig
-from model.features import BigramHash, ParallelLanes, SmearGate, UNetSkips
+from model.features import LANE_CARRY_INIT, BigramHash, ParallelLanes, SmearGate, UNetSkips
 from model.layers import MLP, Attention, RMSNorm, RotaryTables, Sublayer
-from model.mhc import MHCParams, mhc_ops
+from model.mhc import MHCParams, lanes_init_bias, mhc_ops
 
 
 HEAD = "embed.weight"  # the tied table, by state_dict name: the token embedding and the output layer
@@ -70,11 +72,14 @@ class GPT(nn.Module):
             # layouts is a paired one. (A fork of the global RNG did that too, but its draws came again right after:
             # phi was a scaled copy of the first embedding rows.)
             phi_rng = torch.Generator().manual_seed((torch.initial_seed() + PHI_SEED_OFFSET) % 2 ** 63)
+            # unit u belongs to block mhc_start + u (block granularity) or mhc_start + u // 2 (u even: attention)
             self.mhc = nn.ModuleList(MHCParams(n, C, cfg.mhc_alpha_init, phi_rng) for _ in range(units))
-            # Σ_i w_i x_i after the last mHC block (for the head, or the plain blocks after mhc_blocks);
+            # Σ_i w_i x_i after the last mHC block (for the head, or the plain blocks after the mHC range);
             # the mean at init
             self.readout = nn.Parameter(torch.full((n,), 1.0 / n))
             self.ops = mhc_ops(cfg.mhc_kernels)
+            if cfg.mhc_init == "lanes":
+                self._init_mhc_as_lanes()
         self.final_norm = RMSNorm(C)
         # Optional modules are only created when on, so the default model is the plain one, parameter
         # for parameter and random draw for random draw.
@@ -101,6 +106,27 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     # -- init ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _init_mhc_as_lanes(self) -> None:
+        """Biases and readout that start the n=2 mHC range as ParallelLanes (model.mhc_init='lanes').
+
+        Lane block i of k (mHC block mhc_start + i), carry c = LANE_CARRY_INIT, write 1, is x' = c·x + A + M per lane.
+        Every sublayer reads its input through an RMSNorm, which a positive scale does not change, so the lanes
+        divided by c^i before lane block i follow y' = y + (A + M) / c^(i+1): carry 1, write c^-(i+1), which H_res
+        and H_post can express (model/mhc.py::lanes_init_bias). The readout c^k / 2 per stream then gives the lanes'
+        (a + m) / 2 at the lanes' own scale. What stays apart from the lanes at alpha = 0:
+          - the reads and carries lean 0.982 / 0.018 instead of 1 / 0 (LANE_READ_LOGIT, LANE_RES_LOGIT);
+          - mHC runs attention and MLP one after the other, so the MLP reads lane m after attention's write,
+            c·m + A (scaled), where the lanes' MLP reads m from before the block;
+          - U-Net skips enter the mHC units as on any mHC range (module doc), not lane a alone.
+        """
+        k = self.cfg.n_mhc_blocks
+        for i in range(k):
+            write = LANE_CARRY_INIT ** -(i + 1)
+            self.mhc[2 * i].bias.copy_(lanes_init_bias(0, write))      # attention reads stream a
+            self.mhc[2 * i + 1].bias.copy_(lanes_init_bias(1, write))  # the MLP reads stream m
+        self.readout.fill_(LANE_CARRY_INIT ** k / 2)
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Orthogonal init for input-side matrices, zero for the matrices that write into the residual
@@ -158,7 +184,14 @@ class GPT(nn.Module):
         value_embed = self.value_embed(idx) if self.value_embed is not None else None
         if self.cfg.n_streams == 1:
             return self._hidden_plain(x, value_embed)
-        return self._hidden_mhc(x, value_embed)
+        # plain virtual layers, then the mHC range's, then plain ones (a loop stays inside one part, ModelConfig checks)
+        order, start, end = self.block_order(), self.cfg.mhc_start, self.cfg.mhc_end
+        first = sum(b < start for b in order)
+        stop = first + sum(start <= b < end for b in order)
+        saved: list[torch.Tensor] = []  # U-Net: the state after each encoder layer (see module doc)
+        x = self._hidden_plain(x, value_embed, 0, first, saved)
+        x = self._hidden_mhc(x, value_embed, first, stop, saved)
+        return self._hidden_plain(x, value_embed, stop, len(order), saved)
 
     def block_order(self) -> tuple[int, ...]:
         """The physical block of each virtual layer in the phase the model is in (see ModelConfig.block_order)."""
@@ -169,12 +202,12 @@ class GPT(nn.Module):
         return self.cfg.recur_times > 1 and progress >= self.cfg.recur_at
 
     def _hidden_plain(self, x: torch.Tensor, value_embed: torch.Tensor | None, first: int = 0,
-                      saved: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Plain pre-norm residual blocks from virtual layer `first` on, as two lanes from model.lane_start;
-        saved holds the U-Net skips of earlier layers."""
+                      stop: int | None = None, saved: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Plain pre-norm residual blocks over virtual layers first..stop-1 (to the end for None), as two lanes from
+        model.lane_start; saved holds the U-Net skips of earlier layers."""
         saved = [] if saved is None else saved  # U-Net: residual stream after each encoder layer
         order = self.block_order()
-        for pos in range(first, len(order)):
+        for pos in range(first, len(order) if stop is None else stop):
             block = order[pos]
             if self.lanes is not None and block >= self.cfg.lane_start:
                 return self._hidden_lanes(x, value_embed, pos, saved)
@@ -204,7 +237,9 @@ class GPT(nn.Module):
                 saved.append((a + m) * 0.5)
         return (a + m) * 0.5
 
-    def _hidden_mhc(self, x: torch.Tensor, value_embed: torch.Tensor | None) -> torch.Tensor:
+    def _hidden_mhc(self, x: torch.Tensor, value_embed: torch.Tensor | None, first: int, stop: int,
+                    saved: list[torch.Tensor]) -> torch.Tensor:
+        """The mHC virtual layers first..stop-1: x expanded into n copies, the units, then the readout."""
         n, it = self.cfg.n_streams, self.cfg.sinkhorn_iters
         dev = x.device.type
         # The stream state lives in the compute dtype (bf16 under autocast): it is the memory traffic.
@@ -212,19 +247,17 @@ class GPT(nn.Module):
         streams = x.to(dtype).unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]).contiguous()
         order = self.block_order()
         depth = len(order)
-        # The mHC virtual layers lead the order (a loop stays inside the mHC blocks or after them, ModelConfig
-        # checks); their units run in virtual order, so post_pre hands the streams to the next unit run, the same
-        # unit again at a loop's turn: repeated blocks reuse their units' parameters.
-        mhc_layers = sum(b < self.n_mhc_blocks for b in order)
-        per_block = self.cfg.mhc_granularity == "block"
-        units = list(order[:mhc_layers]) if per_block else [l for b in order[:mhc_layers] for l in (2 * b, 2 * b + 1)]
-        p0 = self.mhc[units[0]]
-        self._observe_mhc_input(units[0], streams)
-        u, h_post, h_res = self._mhc_ops(units[0]).pre(streams, p0.projection(), p0.alpha, p0.bias, it)
-        saved: list[torch.Tensor] = []  # U-Net: the state after each encoder layer (see module doc)
-        last = len(units) - 1
-        for i, l in enumerate(units):
-            pos, block = (i, l) if per_block else (i // 2, l // 2)
+        # The units run in virtual order, so post_pre hands the streams to the next unit run, the same unit again at
+        # a loop's turn: repeated blocks reuse their units' parameters. runs: (virtual layer, sublayer or block, unit)
+        per_block, start = self.cfg.mhc_granularity == "block", self.cfg.mhc_start
+        runs = ([(pos, order[pos], order[pos] - start) for pos in range(first, stop)] if per_block else
+                [(pos, 2 * order[pos] + k, 2 * (order[pos] - start) + k) for pos in range(first, stop) for k in (0, 1)])
+        p0 = self.mhc[runs[0][2]]
+        self._observe_mhc_input(runs[0][2], streams)
+        u, h_post, h_res = self._mhc_ops(runs[0][2]).pre(streams, p0.projection(), p0.alpha, p0.bias, it)
+        last = len(runs) - 1
+        for i, (pos, l, unit) in enumerate(runs):
+            block = l if per_block else l // 2
             skip = self.unet.skip(pos, depth, saved, u.dtype) if self.unet is not None and (per_block or l % 2 == 0) \
                 else None
             if skip is not None:
@@ -233,7 +266,7 @@ class GPT(nn.Module):
                  else self.sublayers[l](u, *self._extra(l, value_embed)))
             y = (y if skip is None else y + skip).to(dtype)  # the skip reaches the streams, as in the plain one
             if i < last:
-                nxt = units[i + 1]
+                nxt = runs[i + 1][2]
                 p = self.mhc[nxt]
                 streams, u, h_post, h_res = self._mhc_ops(nxt).post_pre(streams, h_res, h_post, y, p.projection(),
                                                                         p.alpha, p.bias, it)
@@ -241,16 +274,14 @@ class GPT(nn.Module):
                 if self.unet is not None and (per_block or l % 2 == 1) and self.unet.is_encoder(pos, depth):
                     saved.append(u)  # the state after the block: what the next block reads
             else:
-                streams = self._mhc_ops(l).post(streams, h_res, h_post, y)
+                streams = self._mhc_ops(unit).post(streams, h_res, h_post, y)
         # An elementwise product and a sum over the stream axis, not an einsum: einsum lowers to a matrix
         # product with K = n (forward) and K = 1 (backward) over all B*T*C elements, which cuBLAS ran
         # as GEMV kernels taking 3.1 ms (n=4) and 6.0 ms (n=2) of an H100 step; this inductor fuses.
         acc = torch.promote_types(streams.dtype, torch.float32)  # fp32 at least; a float64 model stays float64
         x = (streams.to(acc) * self.readout.to(acc)[:, None]).sum(dim=-2)
-        if self.unet is not None and self.unet.is_encoder(mhc_layers - 1, depth):
+        if self.unet is not None and self.unet.is_encoder(stop - 1, depth):
             saved.append(x)  # the last mHC layer was an encoder layer: its state is the readout
-        if mhc_layers < depth:
-            x = self._hidden_plain(x, value_embed, mhc_layers, saved)
         return x
 
     def _mhc_ops(self, unit: int) -> SimpleNamespace:

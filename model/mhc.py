@@ -43,6 +43,37 @@ class MHCParams(nn.Module):
         return (self.phi * self.phi_scale).t()
 
 
+# How far the lanes init leans into its choices: sigmoid(4) = 0.982. A larger logit comes closer to a one-hot read
+# and an identity carry, but the gradient that lets training move them is sigmoid' = 0.018 here and falls as
+# exp(-logit) (4.5e-5 at 10).
+LANE_READ_LOGIT = 4.0
+LANE_RES_LOGIT = 4.0
+
+
+def lanes_init_bias(reads: int, write: float) -> torch.Tensor:
+    """Bias of an n=2 mHC unit that starts as one sublayer of the parallel residual lanes (model.mhc_init='lanes'):
+    streams (a, m), the unit reading stream `reads` (0 = a for attention, 1 = m for the MLP) and writing `write`.
+
+    At alpha = 0, with r = sigmoid(LANE_READ_LOGIT) and d = sigmoid(LANE_RES_LOGIT), both 0.982:
+      - H_pre = (r, 1 - r) on the read stream first: u = 0.982 * read + 0.018 * other (a one-hot read needs r = 1,
+        out of sigmoid's reach);
+      - H_res = [[d, 1 - d], [1 - d, d]]: exp of the logits [[4, 0], [0, 4]] already has equal row and column sums,
+        so Sinkhorn returns it as it is: each stream keeps 0.982 of itself and takes 0.018 of the other. Rows of a
+        doubly stochastic matrix sum to 1, so the lanes' carry 1.1 is out of reach here; GPT sets `write` so that
+        the streams are the lanes scaled down instead (see GPT._init_mhc_as_lanes);
+      - H_post = 2 * sigmoid(log(write / (2 - write))) = write on both streams, as the lanes write each output into
+        both lanes.
+    """
+    if not 0.0 < write < 2.0:
+        raise ValueError(f"lanes_init_bias: write={write} must be in (0, 2) (H_post = 2 * sigmoid)")
+    pre = torch.tensor([LANE_READ_LOGIT, -LANE_READ_LOGIT])
+    if reads == 1:
+        pre = pre.flip(0)
+    post = torch.full((2,), math.log(write / (2.0 - write)))
+    res = torch.eye(2) * LANE_RES_LOGIT
+    return torch.cat([pre, post, res.flatten()])
+
+
 def mhc_ops(use_kernels: bool) -> SimpleNamespace:
     """The three calls the model makes: pre, post, post_pre (same signatures in both modules)."""
     if use_kernels:

@@ -202,7 +202,8 @@ def test_mhc_blocks_wraps_the_first_blocks_and_leaves_the_rest_plain(granularity
 # the second layout runs both mHC blocks twice (depth recurrence): every unit's kernels run twice in one forward,
 # and their gradients must add up to the reference's
 @pytest.mark.parametrize("layout", [dict(n_streams=2, mhc_blocks=1),
-                                    dict(n_streams=2, n_layers=3, mhc_blocks=2, recur_end=1, recur_times=2)])
+                                    dict(n_streams=2, n_layers=3, mhc_blocks=2, recur_end=1, recur_times=2),
+                                    dict(n_streams=2, n_layers=3, mhc_start=1, mhc_blocks=1)])
 def test_mhc_blocks_with_the_triton_kernels_matches_the_reference(layout):
     """The partial network through the kernels (the interpreter on CPU, fp32): the last mHC unit is an
     apply alone (post), then the readout and the plain block; logits and every gradient as the reference."""
