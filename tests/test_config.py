@@ -245,3 +245,28 @@ def test_a_config_extends_another_and_states_only_what_differs(tmp_path):
     (tmp_path / "bad.toml").write_text("extends = 3\n")
     with pytest.raises(ConfigError, match="extends = 3: expected the path of another config file"):
         load_config(tmp_path / "bad.toml")
+
+
+def test_the_sp8192_config_is_h100_short_with_the_measured_overrides():
+    """docs/results.md measured configs/h100_sp8192.toml as these overrides of h100_short: the file must stay them."""
+    sp8192, short = (to_dict(load_config(REPO / f"configs/{name}.toml")) for name in ("h100_sp8192", "h100_short"))
+    differ = {(s, k): sp8192[s][k] for s in sp8192 for k in sp8192[s] if sp8192[s][k] != short[s][k]}
+    assert differ == {("model", "vocab_size"): 8192, ("model", "mlp_mult"): 4.0, ("model", "qk_gain_init"): 5.25,
+                      ("data", "train_files"): "data/datasets/fineweb10B_sp8192/fineweb_train_*.bin",
+                      ("data", "val_files"): "data/datasets/fineweb10B_sp8192/fineweb_val_*.bin",
+                      ("data", "tokenizer"): "data/tokenizers/fineweb_8192_bpe.model",
+                      ("optim", "weight_decay"): 0.09, ("optim", "muon_momentum"): 0.97,
+                      ("optim", "ema_decay"): 0.9965, ("optim", "warmdown_frac"): 0.72, ("optim", "lr_floor"): 0.10}
+
+
+def test_the_frontier_config_builds_the_records_model():
+    """configs/frontier_sp8192.toml: 11 blocks, 3-5 run three times once on (17 virtual layers), lanes from block 7, the
+    records' 35.9M parameters (the 2026-04-09 script counts 35,944,536: its small per-channel vectors differ)."""
+    import torch
+    from model.gpt import GPT
+    cfg = load_config(REPO / "configs/frontier_sp8192.toml")
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    assert len(model._orders[True]) == 17 and model._orders[False] == tuple(range(11))
+    assert sum(p.numel() for p in model.parameters()) == 35_929_712
+    assert (cfg.model.lane_start, cfg.eval.ttt, cfg.optim.muon_row_norm) == (7, "chunk_sgd", True)
