@@ -155,7 +155,7 @@ def start_run(cfg: Config, dist, log, val: Validation, train_files: list[str], r
 
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     model = GPT(cfg.model).to(device)
-    optimizers = build_optimizers(model.param_groups(), cfg.optim)
+    optimizers = build_optimizers(model.param_groups(), cfg.optim, model.qkv_splits())
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model {n_params:,} parameters")
     try:  # the same on every rank: a refusal (too little data for the ranks) stops them all

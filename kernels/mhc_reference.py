@@ -97,6 +97,18 @@ def mhc_apply(x: torch.Tensor, h_res: torch.Tensor, h_post: torch.Tensor, y: tor
         return (mixed + h_post.float().unsqueeze(-1) * y.float().unsqueeze(-2)).to(x.dtype)
 
 
+def res_diag_logit(n: int, diag: float) -> float:
+    """The H_res diagonal logit g (off-diagonal logits 0) whose Sinkhorn result has diagonal `diag`, in (1/n, 1).
+
+    exp of g·I has every row and column sum 1 + (n-1)·exp(-g) (after the max is subtracted), so the first row
+    normalization already makes it doubly stochastic and every further round leaves it as it is: the diagonal is
+    1 / (1 + (n-1)·exp(-g)), for any number of rounds. Solved for g: log(diag·(n-1) / (1-diag)).
+    """
+    if not 1.0 / n < diag < 1.0:
+        raise ValueError(f"res_diag_logit: diag={diag} must be in (1/n, 1) = ({1.0 / n:.4g}, 1) for n={n}")
+    return math.log(diag * (n - 1) / (1.0 - diag))
+
+
 def mhc_init_bias(n: int, res_diag_logit: float = 2.0) -> torch.Tensor:
     """Bias that makes an mHC network start as a plain pre-norm residual network.
 
@@ -107,7 +119,8 @@ def mhc_init_bias(n: int, res_diag_logit: float = 2.0) -> torch.Tensor:
     So at alpha = 0 the streams stay identical copies of the plain residual stream whatever h_res is. With
     the default alpha_init (0.01) the gates move by about alpha * |raw| per token, so the streams part from
     step 0 by that much (a tiny model's logits differed from the plain one's by ~0.5%).
-    h_res starts diagonal-dominant (diag logit 2: diag 0.71 at n=4). A logit of 4 (diag 0.95) would be
+    h_res starts diagonal-dominant (diag logit 2: diag 0.88 at n=2, 0.71 at n=4; res_diag_logit() gives the logit of
+    another diagonal). A logit of 4 (diag 0.95) would be
     closer to I, but Sinkhorn converges slowly near the identity: with 20 rounds its row sums were
     off by 1e-4 already at init and 1e-2 under perturbation, against < 3e-5 for logit 2 (measured
     in tests/test_model.py::test_h_res_is_doubly_stochastic).

@@ -37,6 +37,8 @@ class ModelConfig:
     mhc_blocks: int = 0                # mHC on k blocks from mhc_start only, plain residual around them; 0 = all blocks
     mhc_start: int = 0                 # the first mHC block (plain blocks before it feed the streams copies of x)
     mhc_init: str = "plain"            # plain: mHC starts as the plain residual; lanes: n=2 starts as the lanes
+    mhc_res_diag: float = 0.0          # initial diagonal of H_res, in (1/n_streams, 1); 0 = diag logit 2
+    mhc_stream_fp32: bool = False      # mHC streams in fp32 under autocast (else the autocast dtype, bf16)
     rope_base: float = 10000.0
     rope_dims: int = 0                 # partial RoPE: rotate the first rope_dims dims of each head; 0 = all
     logit_softcap: float = 30.0        # tanh softcap on logits; 0 disables
@@ -203,11 +205,29 @@ class ModelConfig:
             raise ValueError(f"model.mhc_init='lanes' needs n_streams=2 and mhc_granularity='sublayer' (stream a "
                              "feeds attention, stream m the MLP), got n_streams="
                              f"{self.n_streams}, mhc_granularity={self.mhc_granularity!r}")
+        self._validate_mhc_init_and_dtype()
         if self.mhc_init == "lanes" and self.recur_times > 1 and self.recur_start < self.mhc_end \
                 and self.recur_end >= start:
             raise ValueError(f"model.mhc_init='lanes' with model.recur_start={self.recur_start}..recur_end="
                              f"{self.recur_end} inside the mHC blocks {start}..{self.mhc_end - 1}: the init writes each "
                              "mHC block as one lane block of a single pass (hint: loop blocks outside the mHC range)")
+
+    def _validate_mhc_init_and_dtype(self) -> None:
+        """mhc_res_diag and mhc_stream_fp32: options of an mHC model (n_streams >= 2), the diagonal one that H_res has."""
+        d, n = self.mhc_res_diag, self.n_streams
+        if self.mhc_stream_fp32 and n == 1:
+            raise ValueError("model.mhc_stream_fp32=true needs n_streams >= 2, got n_streams=1 (a single stream has "
+                             "no mHC streams) (hint: model.mhc_stream_fp32=false)")
+        if d == 0:
+            return
+        if n == 1 or self.mhc_init == "lanes":
+            raise ValueError(f"model.mhc_res_diag={d} sets the plain init's H_res, and needs n_streams >= 2 with "
+                             f"model.mhc_init='plain', got n_streams={n}, mhc_init={self.mhc_init!r} (the lanes init "
+                             "sets its own H_res) (hint: model.mhc_res_diag=0)")
+        if not 1.0 / n < d < 1.0:  # NaN included
+            raise ValueError(f"model.mhc_res_diag={d} must be in (1/n_streams, 1) = ({1.0 / n:.4g}, 1) (a doubly "
+                             "stochastic H_res with equal off-diagonals; 1/n is the uniform mix, 1 the identity), "
+                             "or 0 for the default init")
 
     def _validate_recurrence_and_lanes(self) -> None:
         n, s, k = self.n_layers, self.mhc_start, self.mhc_end

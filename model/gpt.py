@@ -73,7 +73,7 @@ class GPT(nn.Module):
             # phi was a scaled copy of the first embedding rows.)
             phi_rng = torch.Generator().manual_seed((torch.initial_seed() + PHI_SEED_OFFSET) % 2 ** 63)
             # unit u belongs to block mhc_start + u (block granularity) or mhc_start + u // 2 (u even: attention)
-            self.mhc = nn.ModuleList(MHCParams(n, C, cfg.mhc_alpha_init, phi_rng) for _ in range(units))
+            self.mhc = nn.ModuleList(MHCParams(n, C, cfg.mhc_alpha_init, phi_rng, cfg.mhc_res_diag) for _ in range(units))
             # Σ_i w_i x_i after the last mHC block (for the head, or the plain blocks after the mHC range);
             # the mean at init
             self.readout = nn.Parameter(torch.full((n,), 1.0 / n))
@@ -163,6 +163,11 @@ class GPT(nn.Module):
         scalars = [p for p in self.parameters() if id(p) not in ids]
         return {"matrix": matrices, "embed": embeds, "scalar": scalars}
 
+    def qkv_splits(self) -> dict[nn.Parameter, tuple[int, int, int]]:
+        """{fused qkv weight: its q, k, v row counts}, for Muon to orthogonalize them apart (optim.muon_split_qkv)."""
+        C, kv = self.cfg.d_model, self.cfg.kv_dim
+        return {sub.body.qkv.weight: (C, kv, kv) for sub in self.sublayers if isinstance(sub.body, Attention)}
+
     # -- forward ------------------------------------------------------------------------------------
     def embed_tokens(self, idx: torch.Tensor) -> torch.Tensor:
         """Input embedding [B, T, C]: token embedding (+ BigramHash), then SmearGate."""
@@ -242,8 +247,11 @@ class GPT(nn.Module):
         """The mHC virtual layers first..stop-1: x expanded into n copies, the units, then the readout."""
         n, it = self.cfg.n_streams, self.cfg.sinkhorn_iters
         dev = x.device.type
-        # The stream state lives in the compute dtype (bf16 under autocast): it is the memory traffic.
+        # The stream state lives in the compute dtype (bf16 under autocast): it is the memory traffic. In fp32 with
+        # model.mhc_stream_fp32, to measure what that rounding costs.
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        if self.cfg.mhc_stream_fp32:
+            dtype = torch.promote_types(x.dtype, torch.float32)
         streams = x.to(dtype).unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1]).contiguous()
         order = self.block_order()
         depth = len(order)

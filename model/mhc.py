@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from kernels import mhc_reference
-from kernels.mhc_reference import mhc_init_bias, mhc_num_coefficients
+from kernels.mhc_reference import mhc_init_bias, mhc_num_coefficients, res_diag_logit
 
 
 class MHCParams(nn.Module):
@@ -28,7 +28,8 @@ class MHCParams(nn.Module):
     same lr is a 2.5% relative step, like the other scalars.
     """
 
-    def __init__(self, n_streams: int, dim: int, alpha_init: float, generator: torch.Generator | None = None):
+    def __init__(self, n_streams: int, dim: int, alpha_init: float, generator: torch.Generator | None = None,
+                 res_diag: float = 0.0):
         super().__init__()
         k = n_streams * dim
         # Drawn [in, out] and transposed: the same values as the earlier [n*C, N] layout had, so runs
@@ -36,7 +37,9 @@ class MHCParams(nn.Module):
         self.phi = nn.Parameter(torch.randn(k, mhc_num_coefficients(n_streams), generator=generator).t().contiguous())
         self.phi_scale = 1.0 / math.sqrt(k)
         self.alpha = nn.Parameter(torch.full((3,), float(alpha_init)))
-        self.bias = nn.Parameter(mhc_init_bias(n_streams))
+        # res_diag (model.mhc_res_diag): H_res's diagonal at init instead of the default logit's; 0 keeps the default
+        self.bias = nn.Parameter(mhc_init_bias(n_streams, res_diag_logit(n_streams, res_diag)) if res_diag
+                                 else mhc_init_bias(n_streams))
 
     def projection(self) -> torch.Tensor:
         """The [n*C, n^2+2n] projection the mHC calls take (phi times its fixed scale, transposed)."""

@@ -76,7 +76,7 @@ def bench_variant(cfg: Config, steps: int, warmup: int, dist: DistInfo, profile:
     device = dist.device
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
-    opts = build_optimizers(model.param_groups(), cfg.optim)
+    opts = build_optimizers(model.param_groups(), cfg.optim, model.qkv_splits())
     step_model = torch.compile(model) if cfg.train.compile else model
     loader = RandomTokens(cfg.train.micro_batch_seqs, cfg.data.seq_len, cfg.model.vocab_size, device, dist.rank)
     accum = grad_accum_steps(cfg, dist.world_size)

@@ -33,6 +33,11 @@ class Chain(nn.Module):
     def param_groups(self):
         return {"matrix": list(self.mats), "embed": [self.embed.weight], "scalar": [self.gain]}
 
+    def qkv_splits(self):
+        """Row blocks for optim.muon_split_qkv: the 16-row matrices at odd places, so a same-shape bucket can hold
+        split and whole matrices."""
+        return {W: (8, 4, 4) for i, W in enumerate(self.mats) if W.shape[0] == 16 and i % 2}
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         h = self.embed(idx)
         for W in self.mats:
@@ -64,7 +69,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, shapes, cfg: OptimCon
         assert (info.rank, info.world_size, world_size(), is_main()) == (rank, world, world, rank == 0)
         model = Chain(shapes)
         check_param_groups(model, model.param_groups())
-        opts = build_optimizers(model.param_groups(), cfg)
+        opts = build_optimizers(model.param_groups(), cfg, model.qkv_splits())
         norms = []
         for step in range(STEPS):
             set_lr_and_momentum(opts, lr_multiplier(step / STEPS, step, cfg), step, cfg)
@@ -83,7 +88,7 @@ def worker(rank: int, world: int, port: int, out_dir: str, shapes, cfg: OptimCon
 def single_process_reference(shapes, world: int, cfg: OptimConfig):
     """Same steps in one process, each step on the average of every rank's accumulated gradients."""
     model = Chain(shapes)
-    opts = build_optimizers(model.param_groups(), cfg)
+    opts = build_optimizers(model.param_groups(), cfg, model.qkv_splits())
     norms = []
     for step in range(STEPS):
         per_rank = []
@@ -100,21 +105,24 @@ def single_process_reference(shapes, world: int, cfg: OptimConfig):
 
 
 
-@pytest.mark.parametrize("world,shapes,row_norm", [
+@pytest.mark.parametrize("world,shapes,row_norm,split_qkv", [
     # 6 matrices: 3 x (8, 8) -> one padded chunk; (16, 8), (16, 16), (8, 16) alone -> rank 1 idle there.
-    (2, [(8, 8), (16, 8), (16, 16), (8, 16), (8, 8), (8, 8)], False),
+    (2, [(8, 8), (16, 8), (16, 16), (8, 16), (8, 8), (8, 8)], False, False),
     # 7 matrices on 3 ranks: 5 x (8, 8) -> two chunks, one padded; (12, 8), (8, 12) alone.
-    (3, [(8, 8), (12, 8), (8, 12), (8, 8), (8, 8), (8, 8), (8, 8)], False),
+    (3, [(8, 8), (12, 8), (8, 12), (8, 8), (8, 8), (8, 8), (8, 8)], False, False),
     # MuonEq-R on each rank's own share (the zero padding rows stay out of it)
-    (2, [(8, 8), (16, 8), (8, 16), (8, 8), (8, 8)], True),
+    (2, [(8, 8), (16, 8), (8, 16), (8, 8), (8, 8)], True, False),
+    # optim.muon_split_qkv: (16, 8) split; the (16, 16) pair one split (its own bucket), one whole
+    (2, [(8, 8), (16, 8), (16, 16), (16, 16), (8, 16), (8, 8)], False, True),
 ])
-def test_sharded_step_equals_single_process_on_averaged_grads(tmp_path, capfd, world, shapes, row_norm, free_port):
-    cfg = dataclasses.replace(CFG, muon_row_norm=row_norm)
+def test_sharded_step_equals_single_process_on_averaged_grads(tmp_path, capfd, world, shapes, row_norm, split_qkv,
+                                                              free_port):
+    cfg = dataclasses.replace(CFG, muon_row_norm=row_norm, muon_split_qkv=split_qkv)
     mp.spawn(worker, args=(world, free_port, str(tmp_path), shapes, cfg), nprocs=world, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     ref_params, ref_norms = single_process_reference(shapes, world, cfg)
     assert (ref_norms > CFG.grad_clip).all()  # the clip was active on every step
-    if row_norm:  # the option reached the sharded update
+    if row_norm or split_qkv:  # the option reached the sharded update
         plain = single_process_reference(shapes, world, CFG)[0]
         assert not any(torch.allclose(a, b, atol=1e-4) for a, b in zip(results[0]["params"][1:], plain[1:]))
     for res in results:

@@ -40,6 +40,7 @@ class OptimConfig:
     muon_momentum_warmup_steps: int = 1500  # ... over this many steps
     ns_steps: int = 5                  # Newton-Schulz iterations
     muon_row_norm: bool = False        # MuonEq-R: each row of the update scaled to unit L2 norm before Newton-Schulz
+    muon_split_qkv: bool = False       # Newton-Schulz on the q, k and v row blocks of each attention qkv apart
     weight_decay: float = 0.04         # decoupled, Muon and AdamW matrices/embeddings
     embed_weight_decay: float = -1.0   # AdamW 'embed' group (the embedding tables); -1: optim.weight_decay
     scalar_weight_decay: float = 0.0   # AdamW 'scalar' group (gains, gates, mixing parameters)

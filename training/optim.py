@@ -4,7 +4,8 @@ Muon = Nesterov momentum, then the update is replaced by its nearest semi-orthog
 (approximated by a quintic Newton-Schulz iteration), scaled by sqrt(max(1, rows/cols)). With row_norm
 (MuonEq-R, the parameter-golf records from 2026-04-03 on, https://github.com/openai/parameter-golf) each row of
 the momentum update is first scaled to unit L2 norm, so every output unit enters the orthogonalization with the
-same weight.
+same weight. With row splits (optim.muon_split_qkv: the attention's fused q, k, v projection) the row blocks of
+one matrix are orthogonalized and scaled apart, as the separate matrices they act as.
 
 Sharding (world size W > 1): the gradients of Muon's parameters are averaged by Muon itself with a
 reduce-scatter, so each rank receives only the matrices it owns (parameter i of a same-shape bucket is
@@ -64,6 +65,13 @@ def normalize_rows_(G: Tensor) -> Tensor:
     return G.div_(norms.to(G.dtype))
 
 
+def orthogonalize_row_blocks(G: Tensor, splits: tuple[int, ...], steps: int) -> Tensor:
+    """Newton-Schulz on each row block of G [..., rows, cols] apart, each times its own sqrt(max(1, rows/cols))."""
+    cols = G.size(-1)
+    return torch.cat([zeropower_via_newtonschulz5(block, steps) * max(1.0, block.size(-2) / cols) ** 0.5
+                      for block in G.split(list(splits), dim=-2)], dim=-2)
+
+
 class _Bucket:
     """Same-shape Muon parameters of one param group, laid out for one reduce-scatter / all-gather.
 
@@ -71,9 +79,11 @@ class _Bucket:
     r * n_chunks ... (r + 1) * n_chunks - 1, holding parameters r, r + W, r + 2W, ... (zeros past the end).
     """
 
-    def __init__(self, group_index: int, params: list[nn.Parameter], world: int, rank: int):
+    def __init__(self, group_index: int, params: list[nn.Parameter], world: int, rank: int,
+                 splits: tuple[int, ...] | None = None):
         # An index, not the dict: load_state_dict replaces the param-group dicts.
         self.group_index, self.params, self.world, self.rank = group_index, params, world, rank
+        self.splits = splits  # row blocks orthogonalized apart (Muon's row_splits), or None: the whole matrix
         self.n_chunks = math.ceil(len(params) / world)
         self.own = params[rank::world]  # chunk order c = 0, 1, ... : parameter c * W + rank
         self.pad = torch.zeros_like(params[0])
@@ -109,7 +119,10 @@ class Muon(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, weight_decay: float = 0.0,
-                 ns_steps: int = 5, row_norm: bool = False):
+                 ns_steps: int = 5, row_norm: bool = False,
+                 row_splits: dict[nn.Parameter, tuple[int, ...]] | None = None):
+        """row_splits: {matrix: row block sizes} for the matrices whose row blocks are orthogonalized apart (each block
+        as a matrix of its own, with its own shape's scale); the others are orthogonalized whole."""
         if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0 or ns_steps < 1:
             raise ValueError(f"Muon: expected lr >= 0, 0 <= momentum < 1, weight_decay >= 0, ns_steps >= 1; "
                              f"got lr={lr}, momentum={momentum}, weight_decay={weight_decay}, ns_steps={ns_steps}")
@@ -117,6 +130,19 @@ class Muon(torch.optim.Optimizer):
         self._layout_world: tuple[int, int] | None = None
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, ns_steps=ns_steps,
                                       row_norm=row_norm))
+        self._row_splits = self._check_row_splits(row_splits or {})
+
+    def _check_row_splits(self, row_splits: dict[nn.Parameter, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
+        """{id(matrix): sizes}, each matrix one of this optimizer's and its sizes positive and summing to its rows."""
+        mine = {id(p) for g in self.param_groups for p in g["params"]}
+        for p, sizes in row_splits.items():
+            if id(p) not in mine:
+                raise ValueError(f"Muon: row_splits names a tensor of shape {tuple(p.shape)} that is not one of its "
+                                 "parameters")
+            if not sizes or min(sizes) < 1 or sum(sizes) != p.size(-2):
+                raise ValueError(f"Muon: row_splits {tuple(sizes)} for a matrix of shape {tuple(p.shape)}: expected "
+                                 f"positive block sizes summing to its {p.size(-2)} rows")
+        return {id(p): tuple(sizes) for p, sizes in row_splits.items()}
 
     def __setstate__(self, state: dict) -> None:
         # load_state_dict replaces the param groups with the saved ones: a checkpoint from before row_norm existed
@@ -145,8 +171,9 @@ class Muon(torch.optim.Optimizer):
             for index, group in enumerate(self.param_groups):
                 by_shape: dict[tuple, list[nn.Parameter]] = {}
                 for p in group["params"]:
-                    by_shape.setdefault((tuple(p.shape), p.dtype, p.device), []).append(p)
-                self._buckets += [_Bucket(index, ps, world, rank) for ps in by_shape.values()]
+                    splits = self._row_splits.get(id(p))
+                    by_shape.setdefault((tuple(p.shape), p.dtype, p.device, splits), []).append(p)
+                self._buckets += [_Bucket(index, ps, world, rank, key[-1]) for key, ps in by_shape.items()]
         return self._buckets
 
     @torch.no_grad()
@@ -207,8 +234,11 @@ class Muon(torch.optim.Optimizer):
         torch._foreach_lerp_(rows, bufs, beta)      # Nesterov: g + beta * (buf - g), in b.grad's rows
         if g["row_norm"]:
             normalize_rows_(b.grad[:k])
-        update = zeropower_via_newtonschulz5(b.grad[:k], g["ns_steps"])
-        scale = max(1.0, b.own[0].size(-2) / b.own[0].size(-1)) ** 0.5
+        if b.splits is None:
+            update = zeropower_via_newtonschulz5(b.grad[:k], g["ns_steps"])
+            scale = max(1.0, b.own[0].size(-2) / b.own[0].size(-1)) ** 0.5
+        else:
+            update, scale = orthogonalize_row_blocks(b.grad[:k], b.splits, g["ns_steps"]), 1.0
         if wd:
             torch._foreach_mul_(b.own, 1 - lr * wd)
         torch._foreach_add_(b.own, list(update.unbind(0)), alpha=-lr * scale)
@@ -256,18 +286,24 @@ def check_param_groups(model: nn.Module, groups: dict[str, list[nn.Parameter]]) 
                          f"({len(missing)} missing; hint: fix model.param_groups())")
 
 
-def build_optimizers(param_groups: dict[str, list[nn.Parameter]], cfg: OptimConfig) -> list[torch.optim.Optimizer]:
+def build_optimizers(param_groups: dict[str, list[nn.Parameter]], cfg: OptimConfig,
+                     qkv_splits: dict[nn.Parameter, tuple[int, ...]] | None = None) -> list[torch.optim.Optimizer]:
     """[Muon for 'matrix', AdamW for 'embed' + 'scalar'] (empty groups are left out).
 
-    Every param group carries 'name' and 'initial_lr' (the peak lr that the schedule scales).
+    Every param group carries 'name' and 'initial_lr' (the peak lr that the schedule scales). qkv_splits ({fused qkv
+    weight: (q, k, v) row counts}, GPT.qkv_splits) is what optim.muon_split_qkv orthogonalizes apart; unused when off.
     """
     if set(param_groups) != set(GROUP_NAMES):
         raise ValueError(f"param groups: expected keys {list(GROUP_NAMES)}, got {sorted(param_groups)}")
+    if cfg.muon_split_qkv and qkv_splits is None:
+        raise ValueError("optim.muon_split_qkv=true needs the model's q, k, v row blocks (hint: "
+                         "build_optimizers(model.param_groups(), cfg, model.qkv_splits()))")
     optimizers: list[torch.optim.Optimizer] = []
     if param_groups["matrix"]:
         optimizers.append(Muon([dict(params=list(param_groups["matrix"]), name="matrix", initial_lr=cfg.matrix_lr)],
                                lr=cfg.matrix_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay,
-                               ns_steps=cfg.ns_steps, row_norm=cfg.muon_row_norm))
+                               ns_steps=cfg.ns_steps, row_norm=cfg.muon_row_norm,
+                               row_splits=qkv_splits if cfg.muon_split_qkv else None))
     embed_wd = cfg.weight_decay if cfg.embed_weight_decay == -1 else cfg.embed_weight_decay
     adam_groups = [dict(params=list(param_groups[name]), name=name, lr=lr, initial_lr=lr, weight_decay=wd)
                    for name, lr, wd in (("embed", cfg.embed_lr, embed_wd),
