@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from model.features import BOS_ID, SMEAR_GATE_INIT, SmearGate, bigram_bucket
 from model.gpt import GPT
 from model.layers import MLP, Attention, RotaryTables, apply_partial_rotary, rotary_cos_sin
-from test_model import randomize_, tiny  # shared tiny config and non-trivial weights
+from test_model import copy_plain_weights, randomize_, tiny  # shared tiny config and non-trivial weights
 
 ALL_ON = dict(xsa_layers=2, rope_dims=4, layer_norm_scale=True, unet_skips=True, smear_gate=True,
               bigram_buckets=96, bigram_dim=16, value_embed_layers=1, value_embed_dim=8, attn_gate=True)
@@ -385,10 +385,7 @@ def test_mhc_with_options_starts_as_the_plain_network_with_the_same_options(gran
     plain = randomize_(GPT(tiny(n_layers=5, n_streams=1, **ALL_ON))).eval()  # encoder 0-1, decoder 2-4
     mhc = GPT(tiny(n_layers=5, n_streams=4, mhc_alpha_init=0.0, mhc_granularity=granularity, mhc_blocks=blocks,
                    **ALL_ON)).eval()
-    params = dict(mhc.named_parameters())
-    with torch.no_grad():
-        for name, p in plain.named_parameters():
-            params[name].copy_(p)
+    copy_plain_weights(plain, mhc)
     idx = tokens()
     ref = plain(idx)
     assert (mhc(idx) - ref).abs().max() < 1e-5 * ref.abs().max()

@@ -10,8 +10,9 @@ from kernels.mhc_reference import mhc_apply, mhc_coefficients, mhc_premix
 from model import mhc as mhc_module
 from model.features import LANE_CARRY_INIT
 from model.gpt import GPT
-from test_model import randomize_, tiny
+from test_model import copy_plain_weights, randomize_, tiny
 from test_model_features import ALL_ON, tokens
+from test_model_recurrence import export_and_load
 
 
 def plain_block(model: GPT, block: int, x: torch.Tensor) -> torch.Tensor:
@@ -69,10 +70,7 @@ def test_an_mhc_range_with_every_option_starts_as_the_plain_network_and_trains_e
     torch.manual_seed(0)
     plain = randomize_(GPT(tiny(n_layers=5, n_streams=1, **ALL_ON))).eval()
     mhc = GPT(tiny(n_layers=5, n_streams=2, mhc_alpha_init=0.0, mhc_start=start, mhc_blocks=blocks, **ALL_ON)).eval()
-    params = dict(mhc.named_parameters())
-    with torch.no_grad():
-        for name, p in plain.named_parameters():
-            params[name].copy_(p)
+    copy_plain_weights(plain, mhc)
     idx = tokens()
     ref = plain(idx)
     assert (mhc(idx) - ref).abs().max() < 1e-5 * ref.abs().max()
@@ -151,22 +149,14 @@ def test_an_mhc_range_round_trips_through_the_artifact(tmp_path, monkeypatch):
     """export_model quantizes the units' phi (observed as mhc.{unit}.phi), and the scored model loaded from the
     artifact computes the trained model's function on the shipped weights."""
     from quant.container import load_artifact
-    from training import export
     from training.config import load_config
-    from training.score import load_model
     cfg = load_config(None, ["model.n_layers=5", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
                              "model.n_streams=2", "model.mhc_start=2", "model.mhc_blocks=3", "model.mhc_init=lanes",
                              "model.vocab_size=64", "model.unet_skips=true", "quant.budget_bytes=10000000"])
     torch.manual_seed(0)
     model = randomize_(GPT(cfg.model))
     path = tmp_path / "a.mhcg"
-    calib = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))]
-    monkeypatch.setattr(export, "calibration_batches", lambda *a: calib)
-    report = export.export_model(cfg, model, train_files=[], rank=0, world_size=1, log=lambda _: None,
-                                 artifact_path=path, tokenizer_sha256="0" * 64, device=torch.device("cpu"),
-                                 train_time_s=0.0)
-    assert "export_error" not in report
-    loaded, meta = load_model(path, torch.device("cpu"))
+    loaded, meta = export_and_load(cfg, model, path, monkeypatch)
     assert (loaded.cfg.mhc_start, loaded.cfg.mhc_blocks, loaded.cfg.mhc_init) == (2, 3, "lanes")
     shipped = load_artifact(path)[1]
     assert not torch.equal(shipped["mhc.5.phi"], model.mhc[5].phi)  # quantized, not stored as it was

@@ -249,12 +249,26 @@ def test_compiled_model_keeps_one_graph_per_phase():
     torch._dynamo.reset()
 
 
+CALIB = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))]  # one calibration batch
+
+
+def export_and_load(cfg, model: GPT, path, monkeypatch):
+    """export_model of `model` to `path` on one fixed calibration batch, then the scored model load_model gives."""
+    from training import export
+    from training.score import load_model
+    monkeypatch.setattr(export, "calibration_batches", lambda *a: CALIB)
+    report = export.export_model(cfg, model, train_files=[], rank=0, world_size=1, log=lambda _: None,
+                                 artifact_path=path, tokenizer_sha256="0" * 64, device=torch.device("cpu"),
+                                 train_time_s=0.0)
+    assert "export_error" not in report
+    return load_model(path, torch.device("cpu"))
+
+
 def test_the_artifact_is_scored_in_the_phase_training_ended_in(tmp_path, monkeypatch):
     """export_model records the phase in the meta; load_model turns the loops on from it. The lane scalars ship
     as fp32 as they are, and the scored model computes the trained model's function on the dequantized weights."""
     from quant.container import load_artifact
     from quant.export import export_artifact
-    from training import export
     from training.config import load_config
     from training.score import load_model
     cfg = load_config(None, ["model.n_layers=4", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
@@ -265,13 +279,7 @@ def test_the_artifact_is_scored_in_the_phase_training_ended_in(tmp_path, monkeyp
     model = randomize_(GPT(cfg.model))
     model.recurrence_on = True
     path = tmp_path / "a.mhcg"
-    calib = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))]
-    monkeypatch.setattr(export, "calibration_batches", lambda *a: calib)
-    report = export.export_model(cfg, model, train_files=[], rank=0, world_size=1, log=lambda _: None,
-                                 artifact_path=path, tokenizer_sha256="0" * 64, device=torch.device("cpu"),
-                                 train_time_s=0.0)
-    assert "export_error" not in report
-    loaded, meta = load_model(path, torch.device("cpu"))
+    loaded, meta = export_and_load(cfg, model, path, monkeypatch)
     assert meta["recurrence_on"] is True and loaded.recurrence_on
     assert torch.equal(loaded.lanes.carry, model.lanes.carry) and torch.equal(loaded.lanes.write, model.lanes.write)
     model.load_state_dict(load_artifact(path)[1])  # the trained model on the shipped weights
@@ -279,7 +287,7 @@ def test_the_artifact_is_scored_in_the_phase_training_ended_in(tmp_path, monkeyp
     with torch.no_grad():
         assert torch.equal(loaded(idx), model(idx))
     model.recurrence_on = False  # an artifact of a run that ended before recur_at is scored without the loops
-    export_artifact(model, calib, str(path), {"model_config": dataclasses.asdict(cfg.model), "tokenizer_sha256":
+    export_artifact(model, CALIB, str(path), {"model_config": dataclasses.asdict(cfg.model), "tokenizer_sha256":
                                               "0" * 64, "recurrence_on": False}, 10 ** 7, log=lambda _: None,
                     observed_patterns=("mhc.*.phi",))
     assert not load_model(path, torch.device("cpu"))[0].recurrence_on
