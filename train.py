@@ -18,16 +18,13 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import NamedTuple
 
-import numpy as np
 import torch
 import torch.distributed
 
-from data.loader import TokenLoader, load_tokens
-from data.shards import (ShardError, list_shards, require_disjoint, require_token_ids, require_tokenizer,
-                         sample_digest)
-from data.tokenizer import ByteLUT, TokenizerError, build_byte_lut, file_sha256, load_sp, require_round_trip
+from data.loader import TokenLoader
+from data.shards import ShardError, list_shards, sample_digest
+from data.tokenizer import TokenizerError
 from model.gpt import GPT
 from quant.container import ArtifactError, CodecUnavailable, require_codec
 from training.score import evaluate_artifact
@@ -38,13 +35,14 @@ from training.config import Config, ConfigError, load_config, to_dict
 from training.distributed import (RankAgreement, RankFailed, destroy, fail_together, init_distributed,
                                   require_same_on_every_rank)
 from training.ema import maybe_ema
-from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit
+from training.evaluate import ByteAuditError, evaluate_bpb
 from training.export import ARTIFACT_CODEC, artifact_budget, export_model
 from training.optim import build_optimizers
 from training.run_log import RunLog, check_writable_dir, git_commit, log_path, maybe_wandb, require_wandb, versions
 from training.sources import code_digest
 from training.trainer import grad_accum_steps, run_training, train_step
 from training.ttt import TTT_KEYS
+from training.validation import Validation, load_validation
 
 REPO = Path(__file__).resolve().parent
 
@@ -197,35 +195,6 @@ def find_checkpoint(cfg: Config, dist, ckpt_dir: Path) -> tuple[Checkpointer, Pa
     return checkpointer, chosen
 
 
-class Validation(NamedTuple):
-    tokens: np.ndarray
-    lut: ByteLUT
-    tokenizer_sha256: str          # hashed once: the sha256 that was checked is the one the artifact records
-    source_entropy: float | None  # bits per byte of the text's source, where its manifest states it (the demo)
-    audited_bytes: int | None     # BPB's denominator, audited against the decoded text (rank 0; None elsewhere)
-
-
-def load_validation(cfg: Config, train_files: list[str], rank: int) -> Validation:
-    """The validation tokens (none of them in `train_files`) and the tokenizer's byte table, with the byte
-    accounting audited on rank 0, and the source entropy of the demo corpus."""
-    val_files = list_shards(cfg.data.val_files)
-    require_disjoint(train_files, val_files)
-    val_tokens = load_tokens(val_files, cfg.eval.max_tokens)
-    lut = build_byte_lut(cfg.data.tokenizer)  # a missing or unusable tokenizer is named here
-    if len(lut.base_bytes) != cfg.model.vocab_size:  # before the ids: the fix is the vocab size, not the shards
-        raise ConfigError(f"{cfg.data.tokenizer} has {len(lut.base_bytes)} ids but model.vocab_size="
-                          f"{cfg.model.vocab_size} (hint: set model.vocab_size={len(lut.base_bytes)})")
-    require_token_ids(val_tokens, cfg.model.vocab_size, cfg.data.val_files, "the model's")
-    tokenizer_sha256 = file_sha256(cfg.data.tokenizer)
-    if not require_tokenizer(train_files + val_files, tokenizer_sha256, cfg.data.tokenizer):
-        require_round_trip(val_tokens, load_sp(cfg.data.tokenizer), cfg.data.val_files, cfg.data.tokenizer)
-    audited = None
-    if rank == 0:  # BPB's denominator must be the decoded text's UTF-8 length, exactly
-        audited = require_byte_audit(val_tokens, load_sp(cfg.data.tokenizer), lut, cfg.data.val_files,
-                                     cfg.data.tokenizer)
-    return Validation(val_tokens, lut, tokenizer_sha256, source_entropy(cfg, tokenizer_sha256), audited)
-
-
 def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val: Validation, n_params: int,
                    log) -> dict:
     """Train within the budget (resuming if asked), export the capped artifact, score it: the final record."""
@@ -370,27 +339,6 @@ def ship(cfg: Config, dist, model, ema, loader: TokenLoader, result, val: Valida
                          f"{final['total_bytes'] - cfg.quant.cap_bytes:,} (hint: lower quant.margin_bytes is not "
                          "the fix; shrink the model or use more int5)")
     return final
-
-
-def source_entropy(cfg: Config, tokenizer_sha256: str) -> float | None:
-    """The demo corpus states its true entropy rate in the manifest beside its tokenizer; real data has none."""
-    manifest = Path(cfg.data.tokenizer).parent / "manifest.json"
-    if not manifest.exists():
-        return None
-    try:
-        fields = json.loads(manifest.read_text())
-        value = fields.get("source_entropy_bits_per_byte")
-    except (json.JSONDecodeError, AttributeError) as e:
-        raise ConfigError(f"{manifest}: not a data manifest ({e}); hint: it is read for the demo's source entropy, "
-                          "so regenerate it (python -m data.prepare or data.demo) or move it away") from None
-    if value is not None and not isinstance(value, (int, float)):
-        raise ConfigError(f"{manifest}: source_entropy_bits_per_byte must be a number, got {value!r}")
-    recorded = fields.get("tokenizer_sha256")
-    if value is not None and recorded is not None and recorded != tokenizer_sha256:
-        raise ConfigError(f"{manifest}: describes another tokenizer than {cfg.data.tokenizer} (its sha256 differs), "
-                          "so its shards and source entropy are not this tokenizer's (hint: regenerate the folder: "
-                          "python -m data.demo --out DIR)")
-    return value
 
 
 # Bad input (a config key, a path, a shard, an artifact, a checkpoint of other settings, a folder in use, a missing

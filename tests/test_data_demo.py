@@ -140,7 +140,7 @@ def test_an_interrupted_demo_keeps_its_tokenizer_with_its_shards(tmp_path, fail_
 def test_train_refuses_a_manifest_of_another_tokenizer(small_demo, tmp_path):
     """The demo's manifest gives the source entropy train.py reports; read beside another tokenizer it is stale."""
     from data.tokenizer import file_sha256
-    from train import source_entropy
+    from training.validation import source_entropy
     from training.config import ConfigError, load_config
     out, _ = small_demo
     (tmp_path / "manifest.json").write_bytes((out / "manifest.json").read_bytes())
