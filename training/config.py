@@ -86,16 +86,17 @@ class EvalConfig:
     ttt_momentum: float = 0.9          # SGD momentum, carried across chunks
     ttt_epochs: int = 3                # passes over each scored chunk
     ttt_batch_seqs: int = 32           # sequences of eval.context tokens per SGD step, over all ranks
-    # eval.ttt=doc_lora; the defaults are the phased-TTT records' (training/ttt_lora.py cites each, by URL)
-    ttt_lora_rank: int = 80            # rank of each document's adapters (TTT_LORA_RANK)
-    ttt_lora_lr: float = 1e-4          # AdamW learning rate of the adapters (TTT_LORA_LR)
-    ttt_lora_chunk: int = 48           # targets scored, then trained on, per adapter step (TTT_CHUNK_SIZE)
-    ttt_lora_docs: int = 64            # documents adapted side by side in a batch, on each rank (TTT_BATCH_SIZE)
-    ttt_lora_wd: float = 0.5           # AdamW decoupled weight decay of the adapters (TTT_WEIGHT_DECAY)
-    ttt_phases: int = 3                # phases of global SGD on the scored documents; 0: none (PHASED_TTT_NUM_PHASES)
-    ttt_phase_docs: int = 2000         # documents scored in ttt_phases parts before the rest (PHASED_TTT_PREFIX_DOCS)
-    ttt_phase_lr: float = 0.001        # SGD learning rate of a phase's first chunk, cosine-decayed (GLOBAL_TTT_LR)
-    ttt_phase_epochs: int = 1          # passes of each phase over the scored text (GLOBAL_TTT_EPOCHS)
+    # eval.ttt=doc_lora; each default is the setting named of the phased-TTT record [1] (2026-04-14) or [2]
+    # (2026-04-27), which training/ttt_lora.py cites by URL
+    ttt_lora_rank: int = 80            # rank of each document's adapters (TTT_LORA_RANK [2])
+    ttt_lora_lr: float = 1e-4          # AdamW learning rate of the adapters (TTT_LORA_LR [1])
+    ttt_lora_chunk: int = 48           # targets scored, then trained on, per adapter step (TTT_CHUNK_SIZE [1])
+    ttt_lora_docs: int = 64            # documents adapted side by side in a batch, on each rank (TTT_BATCH_SIZE [1])
+    ttt_lora_wd: float = 0.5           # AdamW decoupled weight decay of the adapters (TTT_WEIGHT_DECAY [1])
+    ttt_phases: int = 3                # phases of global SGD on scored documents; 0: none (PHASED_TTT_NUM_PHASES [1])
+    ttt_phase_docs: int = 2000         # documents in ttt_phases parts, then the rest (PHASED_TTT_PREFIX_DOCS [1])
+    ttt_phase_lr: float = 0.001        # SGD learning rate of a phase's first chunk, cosine-decayed (GLOBAL_TTT_LR [1])
+    ttt_phase_epochs: int = 1          # passes of each phase over the scored text (GLOBAL_TTT_EPOCHS [1])
 
     def validate(self) -> None:
         """Raise ValueError naming the field: checked when the config loads, not after training."""

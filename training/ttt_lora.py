@@ -31,7 +31,7 @@ The records' procedure ("phased TTT"), whose settings are the defaults (training
   [1] https://github.com/openai/parameter-golf/tree/main/records/track_10min_16mb/2026-04-14_MultiPhaseGlobalSGD_PhasedTTT
       TTT_LORA_LR 1e-4, TTT_CHUNK_SIZE 48, TTT_EVAL_SEQ_LEN 2048 (= eval.context), TTT_BATCH_SIZE 64 documents,
       AdamW with TTT_BETA1 0, TTT_BETA2 0.999, eps 1e-10 and TTT_WEIGHT_DECAY 0.5; PHASED_TTT_PREFIX_DOCS 2000 in
-      PHASED_TTT_NUM_PHASES 3; GLOBAL_TTT_LR 0.001, GLOBAL_TTT_MOMENTUM 0.9, GLOBAL_TTT_EPOCHS 1,
+      PHASED_TTT_NUM_PHASES 3 (its run command); GLOBAL_TTT_LR 0.001, GLOBAL_TTT_MOMENTUM 0.9, GLOBAL_TTT_EPOCHS 1,
       GLOBAL_TTT_CHUNK_TOKENS 32768, GLOBAL_TTT_BATCH_SEQS 32, GLOBAL_TTT_GRAD_CLIP 1.0.
   [2] https://github.com/openai/parameter-golf/tree/main/records/track_10min_16mb/2026-04-27_SP8192_LQER_SparseGate_BOSSmearFix_9HpStack_1.0611
       TTT_LORA_RANK 80 (the 2026-04-14 record ran 96).
@@ -39,8 +39,9 @@ Where this differs from the records: documents are scored in validation order (t
 and their phases train on the first documents they scored); the phases train on the stream, across document
 boundaries, as chunk_sgd does (the records' attention stops at them); the output adapter reads the output
 projection's input (the records' reads the attention's input); a block that depth recurrence repeats keeps one
-set of adapters (the records' have one per virtual layer); the records' later option of scaling the adapters by
-alpha/rank and keeping A across documents is left out.
+set of adapters (the records' have one per virtual layer); the phase boundaries stay where they are when the
+validation set is short (see segments); the records' later option of scaling the adapters by alpha/rank and
+keeping A across documents is left out.
 """
 from __future__ import annotations
 
