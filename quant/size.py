@@ -41,6 +41,7 @@ CODE_FILES = (
     "training/evaluate.py",
     "training/score.py",
     "training/ttt.py",
+    "training/ttt_lora.py",
     "scripts/__init__.py",
     "scripts/evaluate.py",
 )

@@ -220,6 +220,12 @@ def test_a_run_scores_with_ttt_and_scripts_evaluate_reproduces_it_from_the_artif
     evaluate.main([*argv, "eval.ttt=none"])
     plain = json.loads(capsys.readouterr().out)
     assert plain["val_bpb"] == final["val_bpb"] and "val_bpb_ttt" not in plain
+    # the other method, on the same path; the recorded chunk_sgd-only settings (eval.ttt_lr) are left out
+    evaluate.main([*argv, "eval.ttt=doc_lora", "eval.ttt_lora_rank=4", "eval.ttt_lora_chunk=16", "eval.ttt_lora_docs=4",
+                   "eval.ttt_phases=2", "eval.ttt_phase_docs=4"])
+    lora = json.loads(capsys.readouterr().out)
+    assert lora["ttt"] == "doc_lora" and lora["val_bpb"] == final["val_bpb"]
+    assert lora["val_bpb_ttt"] not in (final["val_bpb"], final["val_bpb_ttt"])
     with pytest.raises(SystemExit):
         evaluate.main([*argv, "eval.ttt_chunk_tokens=16"])
     assert "eval.ttt_chunk_tokens=16 must be >= eval.context=32" in capsys.readouterr().err

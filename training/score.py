@@ -17,8 +17,10 @@ from quant.size import check_total, code_bytes
 from training.config import EVAL_RECORDED, EvalConfig
 from training.evaluate import evaluate_bpb
 from training.ttt import evaluate_bpb_ttt
+from training.ttt_lora import evaluate_bpb_doc_lora
 
 REPO = Path(__file__).resolve().parents[1]
+TTT_PASSES = {"chunk_sgd": evaluate_bpb_ttt, "doc_lora": evaluate_bpb_doc_lora}  # by eval.ttt
 
 
 def load_model(artifact: Path, device: torch.device) -> tuple[GPT, dict]:
@@ -109,9 +111,9 @@ KIND_NAMES = {int: "an integer", float: "a number", str: "a string"}  # of the r
 
 def recorded_eval(meta: dict, source: str | Path = "the artifact", **given) -> EvalConfig:
     """How the run scored itself (the meta's eval_<key> for each key of EVAL_RECORDED), under any value `given`
-    that is not None. Artifacts written before a key was recorded get EvalConfig's default for it. Scoring without
-    test-time training (given ttt="none") leaves the recorded ttt_* settings out. `source` names the artifact in
-    errors."""
+    that is not None. Artifacts written before a key was recorded get EvalConfig's default for it. The recorded
+    ttt_* settings that the method scored with does not read (all of them with ttt="none") are left out, so that
+    another method can be given. `source` names the artifact in errors."""
     default = EvalConfig()
     recorded = {key: meta.get(f"eval_{key}", getattr(default, key)) for key in EVAL_RECORDED}
     for key, value in recorded.items():
@@ -121,9 +123,9 @@ def recorded_eval(meta: dict, source: str | Path = "the artifact", **given) -> E
                                 "damaged artifact; --context/--stride/--max-tokens/--batch-seqs and eval.KEY=VALUE "
                                 "set them)")
     settings = {**recorded, **{key: value for key, value in given.items() if value is not None}}
-    if settings["ttt"] == "none":
-        settings.update({key: getattr(default, key) for key in EVAL_RECORDED
-                         if key.startswith("ttt_") and given.get(key) is None})
+    read = EvalConfig(**settings).ttt_keys()
+    settings.update({key: getattr(default, key) for key in EVAL_RECORDED
+                     if key.startswith("ttt_") and key not in read and given.get(key) is None})
     return EvalConfig(**settings)
 
 
@@ -143,7 +145,8 @@ def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT
                 shipped_code: list[Path] | None = None) -> dict:
     """BPB of the model loaded from `artifact`, and the shipped size (artifact + counted code: the repository's,
     or the files of `shipped_code`). With eval_cfg.ttt, the score-first test-time training pass's too (val_loss_ttt,
-    val_bpb_ttt, and its wall-clock ttt_time_s), after the plain score: it trains `model` in place.
+    val_bpb_ttt, and its wall-clock ttt_time_s), after the plain score: chunk_sgd trains `model` in place, doc_lora
+    gives it its weights back.
     progress and before_batch: see training.evaluate.evaluate_bpb."""
     if tokenizer_sha256:
         require_same_tokenizer(artifact, meta, tokenizer_sha256)
@@ -153,8 +156,8 @@ def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT
                           rank=rank, world_size=world_size, progress=progress, before_batch=before_batch)
     if eval_cfg.ttt != "none":
         t0 = time.perf_counter()  # the pass ends in an all-reduce and a host read: the GPU has finished by then
-        ttt = evaluate_bpb_ttt(model, val_tokens, lut, eval_cfg, device=device, autocast_dtype=autocast_dtype, rank=rank,
-                               world_size=world_size, progress=progress, before_batch=before_batch)
+        ttt = TTT_PASSES[eval_cfg.ttt](model, val_tokens, lut, eval_cfg, device=device, autocast_dtype=autocast_dtype,
+                                       rank=rank, world_size=world_size, progress=progress, before_batch=before_batch)
         result.update(val_loss_ttt=ttt["val_loss"], val_bpb_ttt=ttt["val_bpb"],
                       ttt_time_s=round(time.perf_counter() - t0, 1))
     code = code_bytes(REPO) if shipped_code is None else sum(f.stat().st_size for f in shipped_code)

@@ -69,18 +69,18 @@ def sum_gradients(params: list[torch.nn.Parameter], world_size: int) -> None:
 
 
 def train_on_chunk(model: torch.nn.Module, optimizer: torch.optim.Optimizer, all_tokens: torch.Tensor,
-                   starts: list[int], cfg: EvalConfig, *, device: torch.device, amp, rank: int, world_size: int,
-                   before_batch: Callable[[], None] | None) -> None:
-    """cfg.ttt_epochs epochs over the sequences at `starts`, cfg.ttt_batch_seqs of them per step. Each rank takes its
-    share of a step's sequences and the gradients are summed, so every rank steps to the same weights."""
+                   starts: list[int], *, seq_len: int, epochs: int, batch_seqs: int, device: torch.device, amp,
+                   rank: int, world_size: int, before_batch: Callable[[], None] | None) -> None:
+    """`epochs` epochs over the sequences of seq_len tokens at `starts`, batch_seqs of them per step. Each rank takes
+    its share of a step's sequences and the gradients are summed, so every rank steps to the same weights."""
     params = [p for p in model.parameters() if p.requires_grad]
-    offsets = torch.arange(cfg.context + 1)
+    offsets = torch.arange(seq_len + 1)
     model.train()
-    for _ in range(cfg.ttt_epochs):
-        for i in range(0, len(starts), cfg.ttt_batch_seqs):
+    for _ in range(epochs):
+        for i in range(0, len(starts), batch_seqs):
             if before_batch is not None:
                 before_batch()
-            step = starts[i:i + cfg.ttt_batch_seqs]
+            step = starts[i:i + batch_seqs]
             mine = step[rank * len(step) // world_size:(rank + 1) * len(step) // world_size]
             optimizer.zero_grad(set_to_none=True)
             if mine:
@@ -138,8 +138,9 @@ def ttt_scores(model: torch.nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Ev
                                f"through {scored_through}")
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(cfg.ttt_lr, c, len(chunks))
-        train_on_chunk(model, optimizer, all_tokens, starts, cfg, device=device, amp=amp, rank=rank,
-                       world_size=world_size, before_batch=before_batch)
+        train_on_chunk(model, optimizer, all_tokens, starts, seq_len=cfg.context, epochs=cfg.ttt_epochs,
+                       batch_seqs=cfg.ttt_batch_seqs, device=device, amp=amp, rank=rank, world_size=world_size,
+                       before_batch=before_batch)
 
 
 def evaluate_bpb_ttt(model: torch.nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: EvalConfig, *,

@@ -1,0 +1,238 @@
+"""Document-LoRA test-time training (eval.ttt=doc_lora): no score depends on a later token, within a chunk, across
+chunks, documents and phases; the guards stop an update on targets not yet scored; the adapters and the phases do
+change the scores; batching and ranks do not; the model leaves the pass with its own weights."""
+import json
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from model.config import ModelConfig
+from model.gpt import GPT
+from test_distributed_agreement import join_env, join_or_fail
+from test_evaluate import simple_lut
+from test_ttt import CPU, VOCAB, text, tiny_model
+from training import ttt_lora
+from training.config import EVAL_RECORDED, ConfigError, EvalConfig, load_config
+from training.distributed import destroy, init_distributed
+from training.score import recorded_eval, score_model
+from training.ttt import TTT_KEYS
+
+# BOS at these positions: documents of 45, 25, 80, 10, 70, 70, 10, 30 and 59 targets
+BOS = (0, 45, 70, 150, 160, 230, 300, 310, 340)
+# Segments: documents 0-1, then 2-3 (a phase after each, through targets 70 and 160), then 4-8 in batches of two,
+# longest first ([4, 5], [8, 7], [6]). Chunks of 8 targets, windows of at most 32 tokens, phases in chunks of 32.
+SMALL = EvalConfig(context=32, stride=8, batch_seqs=4, ttt="doc_lora", ttt_lora_rank=4, ttt_lora_lr=0.01,
+                   ttt_lora_chunk=8, ttt_lora_docs=2, ttt_phases=2, ttt_phase_docs=4, ttt_phase_lr=0.05,
+                   ttt_chunk_tokens=32, ttt_batch_seqs=2)
+
+
+def documents(n: int = 400, seed: int = 0) -> np.ndarray:
+    """text() with documents of unequal lengths: BOS where BOS says."""
+    tokens = text(n, seed)
+    tokens[tokens == 1] = 5
+    tokens[[b for b in BOS if b < n]] = 1
+    return tokens
+
+
+def per_target_nll(tokens: np.ndarray, cfg: EvalConfig = SMALL, model: GPT | None = None) -> torch.Tensor:
+    """NLL of targets 1..n-1 (index j-1) from one pass; each target must be scored exactly once."""
+    model = tiny_model() if model is None else model
+    nll = torch.full((len(tokens) - 1,), float("nan"), dtype=torch.float64)
+    times = torch.zeros(len(tokens) - 1, dtype=torch.int64)
+    for targets, values, _, scored in ttt_lora.doc_lora_scores(model, tokens, simple_lut(VOCAB), cfg, device=CPU):
+        nll[targets[scored] - 1] = values[scored]
+        times[targets[scored] - 1] += 1
+    assert (times == 1).all()
+    return nll
+
+
+def test_documents_and_segments_cover_every_target_once():
+    assert ttt_lora.split_documents(np.array([1, 4, 4, 1, 5, 1, 1, 6])) == [(0, 3), (3, 2), (5, 1), (6, 1)]
+    assert ttt_lora.split_documents(np.array([4, 4, 1, 5, 1])) == [(0, 2), (2, 2)]  # text before the first BOS
+    docs = ttt_lora.split_documents(documents())
+    assert [n for _, n in docs] == [45, 25, 80, 10, 70, 70, 10, 30, 59] and sum(n for _, n in docs) == 399
+    assert ttt_lora.segments(10, 6, 3) == [range(0, 2), range(2, 4), range(4, 6), range(6, 10)]
+    assert ttt_lora.segments(5, 2000, 3) == [range(0, 5)]  # fewer documents than the first part
+    assert ttt_lora.segments(5, 6, 3) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert ttt_lora.segments(10, 6, 0) == [range(0, 10)]
+    assert ttt_lora.segment_batches(docs, range(4, 9), 2) == [[4, 5], [8, 7], [6]]
+
+
+def test_no_score_depends_on_a_later_token():
+    """The NLL of every target before position p is exactly the same when the tokens from p on are replaced, for p
+    inside a chunk (50), at a chunk's edge (79: the first target of the third document's second chunk), at a BOS
+    (150: gone, two documents of one segment merge, and the segment's batches are sorted otherwise), just past the
+    last target the first phase trains on (71), and in the last segment, after the second phase (165)."""
+    tokens = documents()
+    reference = per_target_nll(tokens)
+    rng = np.random.default_rng(1)
+    for p in (50, 79, 150, 71, 165):
+        changed = tokens.copy()
+        changed[p:] = rng.integers(4, VOCAB, len(tokens) - p)
+        nll = per_target_nll(changed)
+        assert torch.equal(nll[:p - 1], reference[:p - 1]), p  # targets 1..p-1
+        assert not torch.equal(nll[p - 1:], reference[p - 1:]), p
+
+
+def test_the_adapters_and_the_phases_change_the_scores():
+    """Fresh adapters score a document's first chunk as the model does, and the phases leave the first segment's
+    scores as they are; every later score moves."""
+    tokens = documents()
+    reference = per_target_nll(tokens)
+    no_phase = per_target_nll(tokens, replace(SMALL, ttt_phases=0, ttt_phase_docs=2000, ttt_phase_lr=0.001,
+                                              ttt_chunk_tokens=32768, ttt_batch_seqs=32))
+    assert torch.equal(no_phase[:70], reference[:70])  # the first segment: documents 0 and 1, targets 1..70
+    assert (no_phase[70:] != reference[70:]).all()
+    no_step = per_target_nll(tokens, replace(SMALL, ttt_lora_lr=1e-30))
+    first_chunks = np.concatenate([np.arange(s, s + min(n, 8)) for s, n in ttt_lora.split_documents(tokens)])
+    later = np.setdiff1d(np.arange(len(tokens) - 1), first_chunks)
+    assert torch.equal(no_step[first_chunks], reference[first_chunks])
+    assert (no_step[later] != reference[later]).all()
+
+
+def test_without_updates_each_document_is_scored_as_the_model_scores_it_alone():
+    """No adapter step and no phase, and a context longer than every document: each target gets the NLL the model
+    gives it reading its document whole (to rounding: the windows are shorter)."""
+    tokens = documents()
+    cfg = replace(SMALL, context=96, ttt_lora_lr=1e-30, ttt_phases=0, ttt_phase_docs=2000, ttt_phase_lr=0.001,
+                  ttt_chunk_tokens=32768, ttt_batch_seqs=32)
+    nll, model = per_target_nll(tokens, cfg), tiny_model()
+    with torch.no_grad():
+        for s, n in ttt_lora.split_documents(tokens):
+            seq = torch.from_numpy(tokens[s:s + n + 1].astype(np.int64))[None]
+            alone = model.token_nll(seq[:, :-1], seq[:, 1:])[0].double()
+            assert torch.allclose(nll[s:s + n], alone, rtol=1e-5, atol=1e-6), s
+
+
+@pytest.mark.parametrize("features", [{}, {"n_streams": 1}, {"n_layers": 2, "xsa_layers": 1, "rope_dims": 8,
+                                                                "value_embed_layers": 1, "value_embed_dim": 8,
+                                                                "attn_gate": True, "smear_gate": True,
+                                                                "bigram_buckets": 64, "bigram_dim": 8,
+                                                                "unet_skips": True, "mhc_blocks": 1,
+                                                                "lane_start": 1, "recur_end": 0, "recur_times": 2}])
+def test_fresh_adapters_leave_the_model_as_it_is(features):
+    """B starts at zero: the adapted NLL is the model's token_nll bit for bit, whatever the architecture (mHC, plain,
+    the record options with lanes and depth recurrence); a document's adapters change its row alone."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=VOCAB, n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, n_streams=2,
+                      mhc_kernels=False)
+    model = GPT(replace(cfg, **features)).eval()
+    model.recurrence_on = model.cfg.recur_times > 1  # block 0 twice: its adapters act at each pass
+    x = torch.from_numpy(documents()[:99].astype(np.int64)).view(3, 33)
+    adapters = ttt_lora.Adapters(model, rank=4, docs=3, device=CPU)
+    assert len(adapters.sites) == 3 * model.cfg.n_layers  # qkv, the output projection and the MLP of every block
+    with torch.no_grad(), ttt_lora.adapted(model, adapters):
+        adapted = ttt_lora.adapted_nll(model, adapters.head, x[:, :-1], x[:, 1:])
+    assert torch.equal(adapted, model.token_nll(x[:, :-1], x[:, 1:]))
+    with torch.no_grad():
+        adapters.loras[2].b[0][0].fill_(0.1)  # the first MLP's (the projections start at zero), document 0 only
+        with ttt_lora.adapted(model, adapters):
+            moved = ttt_lora.adapted_nll(model, adapters.head, x[:, :-1], x[:, 1:])
+    assert not torch.equal(moved[0], adapted[0]) and torch.equal(moved[1:], adapted[1:])
+
+
+def test_batching_does_not_change_the_scores():
+    """A document's row does not see the other rows: two, three or five documents (a whole segment) a batch score
+    the same, bit for bit (each row's products run alike on the CPU whatever the rows beside it)."""
+    tokens = documents()
+    reference = per_target_nll(tokens)
+    for docs in (3, 5):
+        assert torch.equal(per_target_nll(tokens, replace(SMALL, ttt_lora_docs=docs)), reference), docs
+
+
+def test_an_adapter_step_on_targets_not_yet_scored_stops(monkeypatch):
+    """Training a chunk's adapters on the next chunk would let those targets' scores depend on themselves."""
+    real = ttt_lora.trained_targets
+    monkeypatch.setattr(ttt_lora, "trained_targets", lambda c, n, chunk: real(c + 1, n, chunk))
+    with pytest.raises(RuntimeError, match="would train the adapters on target 16 of the document at 0, scored only "
+                                           "through 8"):
+        per_target_nll(documents())
+
+
+def test_a_phase_on_targets_not_yet_scored_stops(monkeypatch):
+    """A phase that trained on the next segment too would score it with weights trained on it."""
+    real = ttt_lora.phase_end
+    monkeypatch.setattr(ttt_lora, "phase_end", lambda docs, segment: real(docs, range(segment.start, segment.stop + 2)))
+    with pytest.raises(RuntimeError, match="a phase of test-time training would train on target 160, scored only "
+                                           "through 70"):
+        per_target_nll(documents())
+
+
+def test_score_model_reports_doc_lora_beside_the_plain_score_and_keeps_the_weights(tmp_path):
+    artifact = tmp_path / "a.mhcg"
+    artifact.write_bytes(b"x" * 100)
+    tokens, lut, model = documents(), simple_lut(VOCAB), tiny_model()
+    trainable = [p.requires_grad for p in model.parameters()]
+    result = score_model(artifact, model, {}, tokens, lut, SMALL, device=CPU)
+    assert set(TTT_KEYS) <= set(result) and result["ttt"] == "doc_lora"
+    assert result["val_bpb_ttt"] < result["val_bpb"]  # learnable text, adapters at lr 0.01
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), tiny_model().parameters()))
+    assert [p.requires_grad for p in model.parameters()] == trainable and model.training
+    assert artifact.read_bytes() == b"x" * 100
+
+
+def ranks_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    join_env(rank, world, port)
+    init_distributed("cpu")
+    try:
+        result = ttt_lora.evaluate_bpb_doc_lora(tiny_model(), documents(), simple_lut(VOCAB), SMALL, device=CPU,
+                                                rank=rank, world_size=world)
+    finally:
+        destroy()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def test_two_ranks_score_as_one_process(tmp_path, free_port):
+    """Batches dealt to 2 gloo ranks (the first segments' one batch to rank 0 alone), the phases' steps split over
+    them: the score of one process, to the rounding of the gradient sums."""
+    ranks = mp.spawn(ranks_worker, args=(2, free_port, str(tmp_path)), nprocs=2, join=False)
+    join_or_fail(ranks, 120, "a rank waited in a collective the other had left")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1
+    single = ttt_lora.evaluate_bpb_doc_lora(tiny_model(), documents(), simple_lut(VOCAB), SMALL, device=CPU)
+    assert r0["tokens"] == single["tokens"] and r0["bytes"] == single["bytes"]
+    assert r0["val_bpb"] == pytest.approx(single["val_bpb"], rel=1e-5)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["eval.ttt_phases=2"], "eval.ttt_phases=2 applies to test-time training, and eval.ttt is 'none'"),
+    (["eval.ttt=chunk_sgd", "eval.ttt_lora_rank=8"], "eval.ttt_lora_rank=8 does not apply to eval.ttt=chunk_sgd"),
+    (["eval.ttt=doc_lora", "eval.ttt_lr=0.01"], "eval.ttt_lr=0.01 does not apply to eval.ttt=doc_lora"),
+    (["eval.ttt=doc_lora", "eval.ttt_phases=0", "eval.ttt_phase_lr=0.01"],
+     "eval.ttt_phase_lr=0.01 does not apply to eval.ttt=doc_lora with eval.ttt_phases=0"),
+    (["eval.ttt=doc_lora", "eval.ttt_lora_rank=0"], "eval.ttt_lora_rank=0 must be >= 1"),
+    (["eval.ttt=doc_lora", "eval.ttt_lora_lr=0"], "eval.ttt_lora_lr=0.0 must be > 0"),
+    (["eval.ttt=doc_lora", "eval.ttt_lora_chunk=4096"], "eval.ttt_lora_chunk=4096 must be <= eval.context=2048"),
+    (["eval.ttt=doc_lora", "eval.ttt_lora_docs=0"], "eval.ttt_lora_docs=0 must be >= 1"),
+    (["eval.ttt=doc_lora", "eval.ttt_lora_wd=-1"], "eval.ttt_lora_wd=-1.0 must be >= 0"),
+    (["eval.ttt=doc_lora", "eval.ttt_phases=-1"], "eval.ttt_phases=-1 must be >= 0"),
+    (["eval.ttt=doc_lora", "eval.ttt_phase_docs=2"], "eval.ttt_phase_docs=2 must be >= eval.ttt_phases=3"),
+    (["eval.ttt=doc_lora", "eval.ttt_phase_lr=0"], "eval.ttt_phase_lr=0.0 must be > 0"),
+    (["eval.ttt=doc_lora", "eval.ttt_phase_epochs=0"], "eval.ttt_phase_epochs=0 must be >= 1"),
+    (["eval.ttt=doc_lora", "eval.ttt_chunk_tokens=1024"], "eval.ttt_chunk_tokens=1024 must be >= eval.context=2048"),
+    (["eval.ttt=doc_lora", "eval.ttt_momentum=1"], "eval.ttt_momentum=1.0 must be in [0, 1)"),
+])
+def test_bad_doc_lora_settings_are_refused_naming_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, overrides)
+
+
+def test_the_defaults_load_and_a_method_switch_drops_the_other_methods_recorded_settings():
+    assert load_config(None, ["eval.ttt=doc_lora"]).eval.ttt_lora_rank == 80
+    assert load_config(None, ["eval.ttt=doc_lora", "eval.ttt_phases=0"]).eval.ttt_phases == 0
+    lora = {f"eval_{key}": getattr(SMALL, key) for key in EVAL_RECORDED}
+    assert recorded_eval(lora) == SMALL
+    chunk = recorded_eval(lora, ttt="chunk_sgd", ttt_chunk_tokens=32)
+    chunk.validate()
+    assert chunk.ttt_lora_rank == EvalConfig().ttt_lora_rank and chunk.ttt_batch_seqs == SMALL.ttt_batch_seqs
+    sgd = {**{f"eval_{key}": getattr(EvalConfig(), key) for key in EVAL_RECORDED}, "eval_ttt": "chunk_sgd",
+           "eval_ttt_lr": 0.01}
+    switched = recorded_eval(sgd, ttt="doc_lora")
+    switched.validate()
+    assert switched.ttt_lr == EvalConfig().ttt_lr
