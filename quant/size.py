@@ -38,6 +38,7 @@ CODE_FILES = (
     "data/tokenizer.py",
     "training/__init__.py",
     "training/config.py",
+    "training/eval_config.py",
     "training/evaluate.py",
     "training/score.py",
     "training/ttt.py",

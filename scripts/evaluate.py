@@ -26,7 +26,8 @@ from data.loader import load_tokens
 from data.shards import ShardError, list_shards, require_token_ids, require_tokenizer
 from data.tokenizer import TokenizerError, build_byte_lut, file_sha256, load_sp, require_round_trip
 from quant.container import ArtifactError, CodecUnavailable
-from training.config import EVAL_RECORDED, ConfigError, parse_setting
+from training.config import ConfigError, parse_setting
+from training.eval_config import EVAL_RECORDED
 from training.evaluate import ByteAuditError, require_byte_audit
 from training.score import load_model, recorded_eval, require_same_tokenizer, score_model
 

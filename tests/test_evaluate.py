@@ -257,7 +257,7 @@ def test_scoring_defaults_to_what_the_run_recorded():
     """scripts.evaluate's --context/--stride/--max-tokens default to the artifact's eval_* values; a value
     given always wins (0 included); artifacts written before the record get EvalConfig's defaults."""
     from training.score import recorded_eval
-    from training.config import EvalConfig
+    from training.eval_config import EvalConfig
     meta = {"seq_len": 128, "eval_context": 96, "eval_stride": 32, "eval_max_tokens": 5000, "eval_batch_seqs": 7}
     got = recorded_eval(meta)
     assert (got.context, got.stride, got.max_tokens, got.batch_seqs) == (96, 32, 5000, 7)

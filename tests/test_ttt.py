@@ -14,7 +14,8 @@ from model.gpt import GPT
 from test_distributed_agreement import join_env, join_or_fail
 from test_evaluate import simple_lut
 from training import ttt
-from training.config import EVAL_RECORDED, ConfigError, EvalConfig, load_config, parse_setting
+from training.config import ConfigError, load_config, parse_setting
+from training.eval_config import EVAL_RECORDED, EvalConfig
 from training.distributed import destroy, init_distributed
 from training.evaluate import evaluate_bpb, plan_windows
 from training.score import recorded_eval, score_model

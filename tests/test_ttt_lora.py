@@ -16,7 +16,8 @@ from test_distributed_agreement import join_env, join_or_fail
 from test_evaluate import simple_lut
 from test_ttt import CPU, VOCAB, text, tiny_model
 from training import ttt_lora
-from training.config import EVAL_RECORDED, ConfigError, EvalConfig, load_config
+from training.config import ConfigError, load_config
+from training.eval_config import EVAL_RECORDED, EvalConfig
 from training.distributed import destroy, init_distributed
 from training.score import recorded_eval, score_model
 from training.ttt import TTT_KEYS

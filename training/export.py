@@ -19,7 +19,8 @@ from quant.calibrate import generate_calibration_tokens
 from quant.allocate import BudgetError
 from quant.export import export_artifact, kind_summary
 from quant.size import code_bytes
-from training.config import EVAL_RECORDED, Config, ConfigError
+from training.config import Config, ConfigError
+from training.eval_config import EVAL_RECORDED
 
 REPO = Path(__file__).resolve().parents[1]
 CALIB_SEED_OFFSET = 7919  # calibration reads the training shards in an order of its own

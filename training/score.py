@@ -14,7 +14,7 @@ from model.config import ModelConfig
 from model.gpt import GPT
 from quant.container import ArtifactError, check_meta, load_artifact
 from quant.size import check_total, code_bytes
-from training.config import EVAL_RECORDED, EvalConfig
+from training.eval_config import EVAL_RECORDED, EvalConfig
 from training.evaluate import evaluate_bpb
 from training.ttt import evaluate_bpb_ttt
 from training.ttt_lora import evaluate_bpb_doc_lora

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from data.tokenizer import ByteLUT
-from training.config import EvalConfig
+from training.eval_config import EvalConfig
 from training.evaluate import PROGRESS_EVERY_S, Window, batch_windows, bpb_totals, plan_windows, score_batch, \
     target_bytes
 

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from data.tokenizer import ByteLUT
 from model.features import BOS_ID
 from model.layers import MLP, Attention
-from training.config import EvalConfig
+from training.eval_config import EvalConfig
 from training.evaluate import PROGRESS_EVERY_S, bpb_totals, target_bytes
 from training.ttt import cosine_lr, train_on_chunk, training_starts
 
