@@ -42,7 +42,7 @@ from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit
 from training.export import ARTIFACT_CODEC, artifact_budget, export_model
 from training.optim import build_optimizers
 from training.run_log import RunLog, check_writable_dir, git_commit, log_path, maybe_wandb, require_wandb, versions
-from training.sources import code_digest
+from training.shipped_code import code_digest
 from training.trainer import grad_accum_steps, run_training, train_step
 from training.ttt import TTT_KEYS
 
@@ -145,7 +145,7 @@ def start_run(cfg: Config, dist, log, val: Validation, train_files: list[str], r
         log(f"WARNING {path} already holds a run of train.run_id={run_id}: this run is "
             "appended to it and replaces its artifact (training.run_log reads the newest run; export_record refuses "
             "such a log); hint: a new train.run_id keeps runs apart")
-    digest = code_digest(REPO)  # None: scripts.reproduce --reuse and export_record will call the code unknown
+    digest = code_digest()  # None: scripts.reproduce --reuse and export_record will call the code unknown
     log(f"run {run_id}  commit {git_commit(REPO)}{f'  code {digest}' if digest else ''}  world_size {dist.world_size}  "
         f"device {device}")
     log("versions " + json.dumps(versions()))
