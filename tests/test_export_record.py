@@ -35,8 +35,8 @@ def test_collect_modules_follows_imports_including_lazy_ones():
     assert modules["train"] == (REPO / "train.py", False) and modules["model"] == (REPO / "model/__init__.py", True)
     # A record brings its own training.shipped_code: a checkout's, and what only it imports, stay out.
     assert set(modules) - set(shipped_modules(REPO)) == {"training.shipped_code", "training.packing",
-                                                          "training.minify", "training.record_script",
-                                                          "training.sources"}
+                                                          "training.minify", "training.rename_locals",
+                                                          "training.record_script", "training.sources"}
 
 
 def test_relative_imports_are_refused_with_a_hint():

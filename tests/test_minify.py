@@ -149,3 +149,45 @@ def test_a_minified_triton_kernel_runs_as_the_original_does(tmp_path):
     (repo_file, repo_y), (record_file, record_y) = outputs
     assert repo_file == str(REPO / "kernels/mlp.py") and record_file == str(tmp_path / "kernels/mlp.py")
     assert repo_y == record_y
+
+
+def test_locals_get_short_names_and_everything_read_by_name_keeps_its_own():
+    source = '''
+import math
+total = 0
+def f(width, *, depth=2):
+    result = width * depth
+    for item in range(depth):
+        result += item
+    squares = [k * k for k in range(3)]
+    outer = [total for unused in range(2)]
+    try:
+        math.sqrt(-1)
+    except ValueError as error:
+        result += len(str(error))
+    import os.path
+    def inner():
+        return captured
+    captured = result
+    return result + sum(squares) + len(outer) + inner() + (lambda: width)() + int(bool(os.path))
+def g():
+    answer = 1
+    return locals()
+def h():
+    hidden = 1
+    def set_it():
+        nonlocal hidden
+        hidden = 2
+    set_it()
+    return hidden
+'''
+    namespace, renamed = {}, {}
+    exec(source, namespace)
+    out = minify_source(source)
+    exec(out, renamed)
+    assert renamed["f"](3, depth=4) == namespace["f"](3, depth=4) and renamed["h"]() == namespace["h"]() == 2
+    assert renamed["g"]() == {"answer": 1}, "a function that reads its locals by name keeps them"
+    for kept in ("width", "depth", "total", "captured", "inner", "os.path", "math", "hidden", "set_it"):
+        assert kept in out, kept
+    for renamed_away in ("result", "item", "squares", "error", "unused", " k "):
+        assert renamed_away not in out, renamed_away

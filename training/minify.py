@@ -7,8 +7,9 @@ interpreter runs and drops the rest (comments never reach it; ast.unparse writes
 - the annotations of every decorated function: decorators read them (Triton's jit: `BLOCK: tl.constexpr` is part
   of a kernel; torch.library.triton_op infers an operator's schema from its function's annotations);
 - string statements that are not the first of a body (they are not docstrings, and nothing here writes them).
-compact_source then indents each level by one space and drops every space the tokens do not need (`x = f(a, b)`
-becomes `x=f(a,b)`): the tree stays the same. Both check that their result parses back to the tree they meant
+minify_source then gives functions' local variables short names (training.rename_locals), and compact_source
+indents each level by one space and drops every space the tokens do not need (`x = f(a, b)` becomes `x=f(a,b)`):
+the tree stays the same. Both check that their result parses back to the tree they meant
 (tests/test_minify.py also runs minified modules beside the originals).
 """
 from __future__ import annotations
@@ -17,6 +18,8 @@ import ast
 import io
 import token
 import tokenize
+
+from training.rename_locals import rename_locals
 
 _BODIES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
@@ -41,15 +44,20 @@ def strip_source(source: str, where: str = "<source>") -> str:
             node.body = node.body[1:] or ([] if isinstance(node, ast.Module) else [ast.Pass()])
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.decorator_list:
             _drop_annotations(node)
+    return _unparse(tree, where, "stripped")
+
+
+def _unparse(tree: ast.Module, where: str, what: str) -> str:
     text = ast.unparse(tree)
     if ast.dump(ast.parse(text, where)) != ast.dump(tree):  # unparse is not exact for every tree: never ship a change
-        raise ValueError(f"{where}: its stripped text does not parse back to the stripped program")
+        raise ValueError(f"{where}: its {what} text does not parse back to the {what} program")
     return text + "\n" if text else ""
 
 
 def minify_source(source: str, where: str = "<source>") -> str:
-    """What a record ships of a module: strip_source, then compact_source."""
-    return compact_source(strip_source(source, where), where)
+    """What a record ships of a module: strip_source, its locals renamed (training.rename_locals), compact_source."""
+    renamed = _unparse(rename_locals(ast.parse(strip_source(source, where), where)), where, "renamed")
+    return compact_source(renamed, where)
 
 
 # ----- compact layout: what the tokens need, no more -----
