@@ -143,7 +143,7 @@ def start_run(cfg: Config, dist, log, val: Validation, train_files: list[str], r
     device, run_id = dist.device, cfg.train.run_id
     if reused:  # said at the top of the new run's lines, and on the terminal
         log(f"WARNING {path} already holds a run of train.run_id={run_id}: this run is "
-            "appended to it and replaces its artifact (training.run_log reads the newest run; export_record refuses "
+            "appended to it and replaces its artifact (training.log_reader reads the newest run; export_record refuses "
             "such a log); hint: a new train.run_id keeps runs apart")
     digest = code_digest()  # None: scripts.reproduce --reuse and export_record will call the code unknown
     log(f"run {run_id}  commit {git_commit(REPO)}{f'  code {digest}' if digest else ''}  world_size {dist.world_size}  "

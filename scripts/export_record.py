@@ -30,7 +30,7 @@ from data.files import current_umask, write_atomic
 from quant.size import CAP_BYTES
 from training.records import Scored, check_seeds_alike, final_problem, read_baseline, significance
 from training.records import SeedResult, build_submission
-from training.run_log import LogFormatError, RunLogData, output_problem, parse_log
+from training.log_reader import LogFormatError, RunLogData, output_problem, parse_log
 from training.checkpoint import replace_folder
 from training.config import ConfigError, flat_config, load_config
 from training.packing import generate_script, shipped_modules

@@ -69,7 +69,7 @@ def test_gpus_overrides_and_out_are_checked_before_anything_runs(tmp_path, monke
 
 
 def test_output_paths_are_checked_by_trying_them(tmp_path):
-    from training.run_log import output_problem
+    from training.log_reader import output_problem
     (tmp_path / "file").write_text("")
     assert output_problem(tmp_path / "new" / "deeper" / "x.json", folder=False) is None
     assert output_problem(tmp_path / "file", folder=True) == f"{tmp_path / 'file'} exists and is a file"

@@ -17,7 +17,7 @@ from scripts.export_record import config_toml, record_config
 from training.minify import minify_source
 from training.packing import embedded_sources, generate_script, shipped_modules
 from training.record_script import RUNTIME
-from training.run_log import parse_lines, parse_log
+from training.log_reader import parse_lines, parse_log
 from training.shipped_code import CONFIG_BYTES, code_bytes
 from training.sources import code_digest, collect_modules, imported_names
 from training.config import ConfigError, load_config, to_dict

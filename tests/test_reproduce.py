@@ -16,7 +16,7 @@ from scripts import export_record, reproduce
 from training.records import ComparisonError, Scored, read_baseline, significance
 from scripts.reproduce import SeedRun
 from training.records import SeedResult, build_submission
-from training.run_log import parse_log
+from training.log_reader import parse_log
 from training.records import betainc_regularized, student_t_sf, welch_one_sided
 
 

@@ -16,7 +16,7 @@ from conftest import FakeWandb
 from data.shards import ShardError
 from model.gpt import GPT
 from quant.container import load_artifact
-from training.run_log import parse_log
+from training.log_reader import parse_log
 from training.config import ConfigError, load_config
 from training.distributed import destroy, init_distributed
 from training.optim import build_optimizers
