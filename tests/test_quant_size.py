@@ -55,3 +55,21 @@ def test_check_total_and_cap():
     assert check_total(10, 5, cap=12)["over_by"] == 3
     with pytest.raises(ValueError, match=">= 0"):
         check_total(-1, 0)
+
+
+def test_record_bytes_prices_each_module_by_what_the_script_loses_without_it(tmp_path, monkeypatch, capsys):
+    from scripts import record_bytes
+    (tmp_path / "train.py").write_text("import helper\nimport big\nprint(helper.X, big.Y)\n")
+    (tmp_path / "helper.py").write_text("X = 1\n")
+    (tmp_path / "big.py").write_text("Y = " + repr(os.urandom(3000).hex()) + "\n")  # incompressible: costs its size
+    rows = {row["module"]: row for row in record_bytes.module_costs(tmp_path)}
+    assert rows["all"]["cost"] == len(generate_script(tmp_path).encode())
+    assert rows["big.py"]["cost"] > 3000 > 20 > rows["helper.py"]["cost"] > 0  # random hex packs 2:1 at best
+    assert rows["big.py"]["minified"] == len((tmp_path / "big.py").read_text().replace(" = ", "="))
+    sizes = record_bytes.compressors(tmp_path)
+    n = sizes["brotli"]
+    assert sizes["brotli base85"] == 5 * (n // 4) + (n % 4 + 1 if n % 4 else 0) and sizes["raw"] > 6000
+    monkeypatch.setattr(record_bytes, "REPO", tmp_path)
+    record_bytes.main()
+    out = capsys.readouterr().out
+    assert f"| big.py | {rows['big.py']['source']:,} | " in out and "| all | " in out and "| xz base85 |" in out

@@ -38,16 +38,25 @@ def minified_sources(modules: dict[str, tuple[Path, bool]]) -> dict[str, tuple[b
             for name, (is_package, source) in module_sources(modules).items()}
 
 
-def generate_script(repo: Path) -> str:
-    """The record's train_gpt.py; checked to unpack to exactly the minified sources."""
-    sources = minified_sources(shipped_modules(repo))
-    digest = sources_digest(module_sources(collect_modules(repo)))  # what a checkout's run logs (code_digest)
-    runtime = minify_source(RUNTIME.replace("@DIGEST@", digest), "training/record_script.py")
+def runtime_source(repo: Path) -> str:
+    """The record's runtime, minified, holding the digest a checkout's run logs (training.sources.code_digest)."""
+    digest = sources_digest(module_sources(collect_modules(repo)))
+    return minify_source(RUNTIME.replace("@DIGEST@", digest), "training/record_script.py")
+
+
+def script_text(runtime: str, sources: dict[str, tuple[bool, str]]) -> str:
+    """train_gpt.py holding `runtime` and `sources` ({module name: (is a package, source)})."""
     fields = [runtime] + [f for name, (is_pkg, source) in sources.items() for f in (module_path(name, is_pkg), source)]
     if any("\0" in field for field in fields):
         raise ValueError("a shipped source holds a NUL character, which separates the packed fields")
     packed = brotli.compress("\0".join(fields).encode("utf-8"), quality=11, lgwin=BROTLI_WINDOW_BITS)
-    script = HEAD.replace("@PAYLOAD@", base64.b85encode(packed).decode("ascii"))
+    return HEAD.replace("@PAYLOAD@", base64.b85encode(packed).decode("ascii"))
+
+
+def generate_script(repo: Path) -> str:
+    """The record's train_gpt.py; checked to unpack to exactly the minified sources."""
+    sources = minified_sources(shipped_modules(repo))
+    script = script_text(runtime_source(repo), sources)
     if embedded_sources(script) != sources:  # read back out of the generated text: byte-identical
         raise AssertionError("generated train_gpt.py does not reproduce the module sources exactly")
     return script
