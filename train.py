@@ -39,7 +39,7 @@ from training.evaluate import ByteAuditError, evaluate_bpb
 from training.export import ARTIFACT_CODEC, artifact_budget, export_model
 from training.optim import build_optimizers
 from training.run_log import RunLog, check_writable_dir, git_commit, log_path, maybe_wandb, require_wandb, versions
-from training.sources import code_digest
+from training.shipped_code import code_digest
 from training.trainer import grad_accum_steps, run_training, train_step
 from training.ttt import TTT_KEYS
 from training.validation import Validation, load_validation
@@ -141,9 +141,9 @@ def start_run(cfg: Config, dist, log, val: Validation, train_files: list[str], r
     device, run_id = dist.device, cfg.train.run_id
     if reused:  # said at the top of the new run's lines, and on the terminal
         log(f"WARNING {path} already holds a run of train.run_id={run_id}: this run is "
-            "appended to it and replaces its artifact (training.run_log reads the newest run; export_record refuses "
+            "appended to it and replaces its artifact (training.log_reader reads the newest run; export_record refuses "
             "such a log); hint: a new train.run_id keeps runs apart")
-    digest = code_digest(REPO)  # None: scripts.reproduce --reuse and export_record will call the code unknown
+    digest = code_digest()  # None: scripts.reproduce --reuse and export_record will call the code unknown
     log(f"run {run_id}  commit {git_commit(REPO)}{f'  code {digest}' if digest else ''}  world_size {dist.world_size}  "
         f"device {device}")
     log("versions " + json.dumps(versions()))

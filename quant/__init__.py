@@ -4,6 +4,6 @@ Modules: calibrate (Hessians, self-generated calibration text), gptq (GPTQ and r
 allocate (int5/int6 split under a byte budget), pack (code layouts), container (the artifact file),
 size (artifact + code byte accounting), export (the one entry point the trainer calls).
 
-Kept empty on purpose: loading an artifact imports only quant.container and quant.pack, so this file
-and those two are all of quant/ that ships with the evaluation code (see quant.size.CODE_FILES).
+Kept empty on purpose: loading an artifact imports only quant.container and quant.pack, so scoring one
+needs this file and those two of quant/.
 """

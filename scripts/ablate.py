@@ -27,7 +27,8 @@ from pathlib import Path
 from data.files import write_atomic
 from training.config import ConfigError, load_config
 from training.records import final_problem
-from training.run_log import log_path, output_problem, stream_run
+from training.run_log import log_path
+from training.log_reader import output_problem, stream_run
 from training.variants import NAME, parse_variant, split_common
 
 REPO = Path(__file__).resolve().parents[1]

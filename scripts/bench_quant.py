@@ -34,7 +34,7 @@ from data.shards import ShardError, list_shards, require_disjoint
 from data.tokenizer import TokenizerError, build_byte_lut, file_sha256, load_sp
 from model.gpt import GPT
 from training.variants import parse_variant, split_common
-from training.run_log import output_problem
+from training.log_reader import output_problem
 from training.score import evaluate_artifact, recorded_recurrence
 from training.config import ConfigError, load_config, to_dict
 from training.distributed import init_distributed

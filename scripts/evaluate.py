@@ -9,8 +9,8 @@ and eval.ttt* settings say otherwise, it scores as the run did (its eval setting
 numbers are train.py's. Score-first test-time training beside the plain score (docs/operations.md):
 
     python -m scripts.evaluate --artifact A.mhcg --val DIR --tokenizer T.model eval.ttt=chunk_sgd [eval.ttt_lr=...]
-The counted code is this repository's (quant.size.CODE_FILES), as train.py counts it; for an artifact that ships
-with other code, a record's, name that code: --code RECORD/train_gpt.py RECORD/config.toml.
+The counted code is what a record made from this checkout ships (training.shipped_code), as train.py counts it; for
+an artifact that ships with other code, a record's, name that code: --code RECORD/train_gpt.py RECORD/config.toml.
 """
 from __future__ import annotations
 

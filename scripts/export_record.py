@@ -5,19 +5,16 @@ r"""Package finished runs as a record folder of the challenge, with a generated 
 
 Writes README.md (per-seed table, how to run), submission.json (scripts.reproduce's builder), one log
 per seed (train_seed<S>.log), requirements.txt, config.toml (the runs' configuration, read back
-from their logs) and train_gpt.py: the repository's train.py and every local module it imports, served by an
-import hook, so the folder runs with no repository around it; stripped (training/minify.py: no docstrings, comments
-or annotations of undecorated functions) and xz-compressed, or verbatim with --code plain. The code bytes counted
-for the record are train_gpt.py's size (packed, about a third of the evaluation code a repository run counts) plus
-config.toml's, which it trains with, so a record fits whenever its runs did. Nothing is written outside --out.
+from their logs) and train_gpt.py (training.packing): the repository's train.py and every local module it imports,
+minified and packed, served by an import hook, so the folder runs with no repository around it. The code bytes
+counted for the record are train_gpt.py's size plus config.toml's, which it trains with; the runs counted the same
+train_gpt.py and a bound on config.toml (training.shipped_code), and a record that would ship more code than its runs
+counted is refused. Nothing is written outside --out.
 """
 from __future__ import annotations
 
 import argparse
-import ast
-import base64
 import json
-import lzma
 import math
 import os
 import re
@@ -33,14 +30,12 @@ from data.files import current_umask, write_atomic
 from quant.size import CAP_BYTES
 from training.records import Scored, check_seeds_alike, final_problem, read_baseline, significance
 from training.records import SeedResult, build_submission
-from training.run_log import LogFormatError, RunLogData, output_problem, parse_log
-from training.record_script import BOOTSTRAP
+from training.log_reader import LogFormatError, RunLogData, output_problem, parse_log
 from training.checkpoint import replace_folder
 from training.config import ConfigError, flat_config, load_config
+from training.packing import generate_script, shipped_modules
 from training.run_log import git_commit
-from training.minify import strip_source
-from training.sources import (collect_modules, imported_names, module_sources,
-                              sources_digest)
+from training.sources import code_digest, imported_names
 
 # May differ between the runs of one record: the seed, and where each machine kept its data (the record's config
 # takes the first run's paths, and its README says to pass your own).
@@ -59,63 +54,6 @@ def third_party_imports(modules: dict[str, tuple[Path, bool]]) -> set[str]:
 
 
 # ----- generated files -----
-
-def source_literal(source: str) -> str:
-    """A raw triple-quoted literal when that round-trips exactly (readable), else repr()."""
-    plain = all(c in "\n\t" or c >= " " for c in source) and not source.endswith(("\\", "'"))
-    return f"r'''{source}'''" if plain and "'''" not in source else repr(source)
-
-
-def pack_modules(sources: dict[str, tuple[bool, str]]) -> bytes:
-    """The inverse of the generated script's unpack_modules (base85 has no quote or backslash, so the
-    text sits in a plain bytes literal)."""
-    raw = json.dumps({name: [is_pkg, source] for name, (is_pkg, source) in sources.items()}, ensure_ascii=False)
-    return base64.b85encode(lzma.compress(raw.encode("utf-8"), preset=9 | lzma.PRESET_EXTREME))
-
-
-def shipped_sources(modules: dict[str, tuple[Path, bool]], packed: bool = True) -> dict[str, tuple[bool, str]]:
-    """What train_gpt.py embeds: packed, each module stripped of docstrings, comments and the annotations of
-    undecorated functions (training.minify); plain, each verbatim."""
-    sources = module_sources(modules)
-    if not packed:
-        return sources
-    return {name: (is_pkg, strip_source(source, str(modules[name][0]))) for name, (is_pkg, source) in sources.items()}
-
-
-def generate_script(modules: dict[str, tuple[Path, bool]], title: str, commit: str, packed: bool = True) -> str:
-    """packed: the stripped sources as one xz-compressed base85 literal (a fifth of the plain script's bytes, and
-    the record counts this file's bytes); else each source verbatim as a readable literal. Either way the script
-    logs the code digest of the repository's sources (training.sources), which a run of the checkout logs too."""
-    sources = shipped_sources(modules, packed)
-    note = (",\nstripped of docstrings, comments and the annotations of undecorated functions (training/minify.py:\n"
-            "line numbers differ from the repository's), xz-compressed and base85-encoded (PACKED)") if packed else \
-        " verbatim"
-    parts = [BOOTSTRAP.replace("@TITLE@", title).replace("@COMMIT@", commit).replace("@COUNT@", str(len(modules) - 1))
-             .replace("@PACKED@", note).replace("@DIGEST@", sources_digest(module_sources(modules)))]
-    if packed:
-        parts.append(f"\nPACKED = b'{pack_modules(sources).decode('ascii')}'\nMODULES.update(unpack_modules(PACKED))\n")
-    else:
-        for name, (is_pkg, source) in sources.items():
-            parts.append(f"\n# ---- {name.replace('.', '/')}{'/__init__' if is_pkg else ''}.py ----\n"
-                         f"MODULES[{name!r}] = ({is_pkg}, {source_literal(source)})\n")
-    parts.append('\nif __name__ == "__main__":\n    main(sys.argv[1:])\n')
-    script = "".join(parts)
-    if embedded_sources(script) != sources:  # read back out of the generated text: byte-identical
-        raise AssertionError("generated train_gpt.py does not reproduce the module sources exactly")
-    return script
-
-
-def embedded_sources(script: str) -> dict[str, tuple[bool, str]]:
-    """The module sources a generated script carries, read from its text without running it."""
-    embedded = {}
-    for node in ast.parse(script).body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript):
-            embedded[ast.literal_eval(node.targets[0].slice)] = ast.literal_eval(node.value)
-        elif isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "PACKED":
-            packed = json.loads(lzma.decompress(base64.b85decode(ast.literal_eval(node.value))))
-            embedded.update({name: (is_pkg, source) for name, (is_pkg, source) in packed.items()})
-    return embedded
-
 
 def toml_value(value, where: str) -> str:
     if isinstance(value, bool):
@@ -173,10 +111,7 @@ def requirements(modules: dict[str, tuple[Path, bool]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def readme(sub: dict, logs: list[RunLogData], script_name: str, n_modules: int, commit: str, digest: str,
-           packed: bool) -> str:
-    embedded = ("stripped of docstrings, comments and the annotations of undecorated functions (their line numbers "
-                "are not the repository's)" if packed else "embedded verbatim")
+def readme(sub: dict, logs: list[RunLogData], script_name: str, n_modules: int, commit: str, digest: str) -> str:
     rows = []
     for seed in sub["seeds"]:
         r = sub["seed_results"][str(seed)]
@@ -220,8 +155,9 @@ Each run writes `logs/<run_id>.txt`, its artifact to `runs/`, and prints its fin
 ## Files
 
 - `{script_name}`: generated by `scripts/export_record.py` (repository commit {commit}) from `train.py`
-  and the {n_modules} local modules it imports, {embedded} (`python {script_name} --unpack src/` writes them
-  out as files): the training code of digest {digest} (`training.sources.code_digest`). Runs were made at commit(s) {commits}, with code of digest(s) {', '.join(sub['code_digests'])}.
+  and the {n_modules} local modules it imports, minified (no docstrings, comments or annotations of undecorated
+  functions, one space per indentation level: their line numbers are not the repository's; `python {script_name}
+  --unpack src/` writes them out as files): the training code of digest {digest} (`training.sources.code_digest`). Runs were made at commit(s) {commits}, with code of digest(s) {', '.join(sub['code_digests'])}.
 - `config.toml`, `requirements.txt`, `submission.json`, and one log per seed: {', '.join(f'`train_seed{s}.log`' for s in sub['seeds'])}.
 """
 
@@ -257,14 +193,28 @@ def check_runs(logs: list[RunLogData], code: str | None) -> list[SeedResult]:
 
 
 def pinned_budget(logs: list[RunLogData]) -> int:
-    """The artifact budget the runs quantized to, which the record's config pins: train_gpt.py counts fewer code
-    bytes than a checkout, and left to derive its budget it would build a larger artifact than the runs did."""
+    """The artifact budget the runs quantized to, which the record's config pins: train_gpt.py counts config.toml as
+    it is, not the bound a checkout counts for it, and left to derive its budget it would build a larger artifact
+    than the runs did."""
     budgets = {log.final.get("budget_bytes") for log in logs}
     if None in budgets or len(budgets) > 1:
         raise ValueError(f"the runs' final lines give artifact budgets {sorted(map(str, budgets))}: a record pins one "
                          "(hint: seeds of one config on one checkout share it; logs from before budget_bytes was "
                          "logged cannot be packaged)")
     return budgets.pop()
+
+
+def check_code_counted(logs: list[RunLogData], script: bytes, config_file: bytes) -> None:
+    """A record ships no more code than each of its runs counted beside its artifact (training.shipped_code)."""
+    shipped = len(script) + len(config_file)
+    for log in logs:
+        counted = log.final.get("code_bytes")
+        if not isinstance(counted, int) or shipped > counted:
+            raise ValueError(f"{log.source}: counted {counted if counted is None else f'{counted:,}'} bytes of code, "
+                             f"and the record would ship {shipped:,} (train_gpt.py {len(script):,} + config.toml "
+                             f"{len(config_file):,}): its artifact was budgeted beside less code than ships (hint: "
+                             "export from a checkout whose train_gpt.py is the runs' (same sources, Python and brotli "
+                             "versions), or rerun the seeds on this one)")
 
 
 def write_record(out: Path, files: dict[str, bytes], force: bool) -> None:
@@ -305,9 +255,6 @@ def main(argv=None) -> Path:
     p.add_argument("--allow-other-code", action="store_true",
                    help="package runs whose training code differs from this checkout's (or is unknown); the "
                         "record's README and submission.json list every digest")
-    p.add_argument("--code", choices=("packed", "plain"), default="packed",
-                   help="train_gpt.py's sources stripped and xz-compressed (default: a fifth of the bytes, which the "
-                        "record counts) or as readable literals")
     a = p.parse_args(argv)
     out = Path(a.out)
     if problem := output_problem(out, folder=True):
@@ -315,14 +262,13 @@ def main(argv=None) -> Path:
     name = a.name or out.name
     try:
         logs = [parse_log(path) for path in a.runs]
-        modules = collect_modules(REPO)
-        digest = sources_digest(module_sources(modules))
+        modules = shipped_modules(REPO)
+        digest = code_digest(REPO)
         results = check_runs(logs, None if a.allow_other_code else digest)
         config = record_config(logs)
         config["quant"]["budget_bytes"] = pinned_budget(logs)
         commit = git_commit(REPO)
-        script = generate_script(modules, f"{name}: the mhcgolf training script of this record", commit,
-                                 packed=a.code == "packed").encode()
+        script = generate_script(REPO).encode()
         sig = None
         if a.baseline:
             candidate = [Scored.from_final(r.final, r.seed, str(log.source)) for r, log in zip(results, logs)]
@@ -331,12 +277,12 @@ def main(argv=None) -> Path:
                                           "is given per run").encode()
         # The code that ships: train_gpt.py and the config.toml it trains with (as train_gpt.py counts itself);
         # build_submission refuses a seed whose artifact does not fit beside it.
+        check_code_counted(logs, script, config_file)
         sub = build_submission(name, a.github_id, results, code_bytes=len(script) + len(config_file),
                                significance_block=sig)
         files = {"config.toml": config_file, "requirements.txt": requirements(modules).encode(), "train_gpt.py": script}
         files.update({f"train_seed{r.seed}.log": Path(path).read_bytes() for r, path in zip(results, a.runs)})
-        files["README.md"] = readme(sub, logs, "train_gpt.py", len(modules) - 1, commit, digest,
-                                   a.code == "packed").encode()
+        files["README.md"] = readme(sub, logs, "train_gpt.py", len(modules) - 1, commit, digest).encode()
         files["submission.json"] = (json.dumps(sub, indent=2) + "\n").encode()
         write_record(out, files, a.force)
     except (LogFormatError, ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:

@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 REPO = Path(__file__).resolve().parents[1]
 
 from data.files import write_atomic
-from training.run_log import LogFormatError, RunLogData, output_problem, parse_log
+from training.log_reader import LogFormatError, RunLogData, output_problem, parse_log
 
 AXES = {"step": ("step", "step"), "time": ("train_time_s", "training time (s)"),
         "tokens": ("step", "training tokens (millions)")}  # tokens: step x train.batch_tokens

@@ -35,7 +35,8 @@ from training.config import Config, ConfigError, flat_config, load_config, to_di
 from training.records import (RECORD_MARGIN_NATS, ComparisonError, Scored, SeedResult, build_submission,
                               check_one_stack, check_seeds_alike, final_problem, mean_std, read_baseline,
                               significance, write_json_atomic)
-from training.run_log import LogFormatError, RunLogData, log_path, output_problem, parse_lines, parse_log, stream_run
+from training.run_log import log_path
+from training.log_reader import LogFormatError, RunLogData, output_problem, parse_lines, parse_log, stream_run
 from training.sources import code_digest
 
 REPO = Path(__file__).resolve().parents[1]

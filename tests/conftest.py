@@ -62,9 +62,9 @@ def tiny_run_overrides(data: Path, tmp: Path) -> list[str]:
     """test_train's tiny CPU run, shortened further (4 steps, evals every 2), without its fixed run id, scored on
     every validation token as a record must be (the small demo's ~9k), under a cap that binds as a real run's does:
     the allocator then fills a budget that depends on the counted code, which a record must pin."""
-    from quant.size import code_bytes
     from test_train import tiny_overrides
-    cap = code_bytes(REPO) + 20_000 + TINY_BUDGET  # the code, the default margin, the budget
+    from training.shipped_code import code_bytes
+    cap = code_bytes() + 20_000 + TINY_BUDGET  # the code, the default margin, the budget
     return [o for o in tiny_overrides(data, tmp) if not o.startswith("train.run_id=")] + [
         "train.max_steps=4", "train.log_every=2", "eval.every_steps=2", "eval.max_tokens=0",
         "optim.warmup_steps=2", f"quant.cap_bytes={cap}"]

@@ -11,9 +11,9 @@ CONFIG = str(REPO / "configs/demo.toml")
 
 
 def test_real_variants_run_side_by_side_and_a_failure_is_reported(demo_dir, tmp_path, capsys):
-    from quant.size import code_bytes
+    from training.shipped_code import code_bytes
     common = [o for o in tiny_run_overrides(demo_dir, tmp_path) if not o.startswith("eval.every_steps")]
-    small_cap = f"quant.cap_bytes={code_bytes(REPO) + 21000}"  # 1 kB beside the code and the margin
+    small_cap = f"quant.cap_bytes={code_bytes() + 21000}"  # 1 kB beside the code and the margin
     out = tmp_path / "ablate.json"
     code = ablate.main(["--config", CONFIG, "--gpus", "none", "--parallel", "2", "--prefix", "t", "--out", str(out),
                         "--variant", "plain=model.n_streams=1",
@@ -69,7 +69,7 @@ def test_gpus_overrides_and_out_are_checked_before_anything_runs(tmp_path, monke
 
 
 def test_output_paths_are_checked_by_trying_them(tmp_path):
-    from training.run_log import output_problem
+    from training.log_reader import output_problem
     (tmp_path / "file").write_text("")
     assert output_problem(tmp_path / "new" / "deeper" / "x.json", folder=False) is None
     assert output_problem(tmp_path / "file", folder=True) == f"{tmp_path / 'file'} exists and is a file"

@@ -454,7 +454,7 @@ def test_refused_starts_leave_the_log_whole_and_a_finished_run_says_it_finished(
     repeated after the run finished trained again from the step-3 checkpoint and rewrote the artifact."""
     import train
     from scripts import plot
-    from training.run_log import parse_log
+    from training.log_reader import parse_log
     from training import trainer
     from training.checkpoint import CheckpointError
     real, calls = trainer.train_step, []

@@ -1,6 +1,5 @@
-"""scripts.export_record: module discovery, the generated train_gpt.py, config.toml, the record folder,
-and the record reproducing the repository's run from an empty folder (CPU, bit-identical)."""
-import ast
+"""scripts.export_record: module discovery, the generated train_gpt.py (training.packing), config.toml, the record
+folder, and the record reproducing the repository's run from an empty folder (CPU, bit-identical)."""
 import json
 import os
 import re
@@ -13,13 +12,14 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY_SEEDS
-from quant.size import code_bytes
 from scripts import export_record
-from scripts.export_record import (collect_modules, config_toml, embedded_sources, generate_script, imported_names,
-                                   record_config, source_literal)
-from training.minify import strip_source
-from training.run_log import parse_lines, parse_log
-from training.sources import code_digest, module_sources, sources_digest
+from scripts.export_record import config_toml, record_config
+from training.minify import minify_source
+from training.packing import embedded_sources, generate_script, shipped_modules
+from training.record_script import RUNTIME
+from training.log_reader import parse_lines, parse_log
+from training.shipped_code import CONFIG_BYTES, code_bytes
+from training.sources import code_digest, collect_modules, imported_names
 from training.config import ConfigError, load_config, to_dict
 
 
@@ -33,6 +33,10 @@ def test_collect_modules_follows_imports_including_lazy_ones():
         assert all(".".join(parts[:i]) in modules and modules[".".join(parts[:i])][1] for i in range(1, len(parts)))
     assert not any(name.startswith(("tests", "scripts")) for name in modules)  # tools are not training code
     assert modules["train"] == (REPO / "train.py", False) and modules["model"] == (REPO / "model/__init__.py", True)
+    # A record brings its own training.shipped_code: a checkout's, and what only it imports, stay out.
+    assert set(modules) - set(shipped_modules(REPO)) == {"training.shipped_code", "training.packing",
+                                                          "training.minify", "training.rename_locals",
+                                                          "training.record_script", "training.sources"}
 
 
 def test_relative_imports_are_refused_with_a_hint():
@@ -41,47 +45,38 @@ def test_relative_imports_are_refused_with_a_hint():
         imported_names("def f():\n    from .sib import g\n", "x.py")
 
 
-@pytest.mark.parametrize("source", ["plain = 1\n", "s = '''quoted'''\n", 'p = r"C:\\dir\\"\nq = "\\n"\n',
-                                    "crlf = 1\r\n", "ends with a quote'", "unicode = 'é ▁ 😀'\n", "nul = '\x00'\n"])
-def test_source_literal_round_trips(source):
-    assert ast.literal_eval(source_literal(source)) == source
-
-
-@pytest.mark.parametrize("packed", [True, False])
-def test_generated_script_embeds_the_sources_stripped_or_verbatim(packed):
-    """Packed, the modules are stripped (training.minify); plain, verbatim. Either way the script logs the digest of
-    the repository's sources, which a run of this checkout logs: a record's runs compare with the checkout's."""
-    modules = collect_modules(REPO)
-    script = generate_script(modules, "title", "abc1234", packed=packed)
+def test_generated_script_embeds_the_minified_sources_and_the_checkouts_digest():
+    """The script logs the digest of the repository's sources (a checkout's run logs it too), so a record's runs
+    compare with the checkout's; it holds no title, commit or run name: the tree alone makes it."""
+    modules = shipped_modules(REPO)
+    script = generate_script(REPO)
     namespace: dict = {"__name__": "not_main", "__file__": "/nowhere/train_gpt.py"}
     exec(compile(script, "train_gpt.py", "exec"), namespace)  # defines, does not run
     assert set(namespace["MODULES"]) == set(modules)
     trainer = (REPO / "training/trainer.py").read_text()
-    assert namespace["MODULES"]["training.trainer"] == (False, strip_source(trainer) if packed else trainer)
-    assert namespace["CODE_DIGEST"] == code_digest(REPO) == sources_digest(module_sources(modules))
-    assert namespace["MODULES"]["quant"][0] is True
-    assert embedded_sources(script) == namespace["MODULES"]
-    assert ("PACKED = b'" in script) == packed
+    assert namespace["MODULES"]["training.trainer"] == (False, "training/trainer.py", minify_source(trainer))
+    assert namespace["CODE_DIGEST"] == code_digest(REPO)
+    assert namespace["MODULES"]["quant"][:2] == (True, "quant/__init__.py")
+    assert embedded_sources(script) == {name: (is_pkg, source) for name, (is_pkg, _, source) in
+                                        namespace["MODULES"].items()}
+    assert len(script.encode()) + CONFIG_BYTES == code_bytes()
 
 
-def test_packed_script_is_a_fifth_of_the_plain_one_and_unpacks_to_modules_that_import(tmp_path):
-    modules = collect_modules(REPO)
-    packed, plain = (len(generate_script(modules, "t", "c", packed=p).encode()) for p in (True, False))
-    assert packed < 0.2 * plain
-    assert packed < code_bytes(REPO), "a record must count less code than the repository run it comes from"
+def test_the_script_unpacks_to_modules_that_compile(tmp_path):
+    modules = shipped_modules(REPO)
     script = tmp_path / "train_gpt.py"
-    script.write_text(generate_script(modules, "t", "c"))
+    script.write_text(generate_script(REPO))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([sys.executable, str(script), "--unpack", str(tmp_path / "src")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     for name, (path, is_pkg) in modules.items():
         rel = path.relative_to(REPO)
-        assert (tmp_path / "src" / rel).read_text() == strip_source(path.read_text()), rel
-    imports = subprocess.run([sys.executable, "-c", f"import importlib; [importlib.import_module(n) for n in "
-                              f"{sorted(modules)!r}]; import train; print(train.__file__)"],
+        assert (tmp_path / "src" / rel).read_text() == minify_source(path.read_text()), rel
+        compile((tmp_path / "src" / rel).read_text(), str(rel), "exec")
+    imports = subprocess.run([sys.executable, "-c", "import model.gpt, training.trainer; print(model.gpt.__file__)"],
                              cwd=tmp_path / "src", env=env, capture_output=True, text=True, timeout=120)
-    assert imports.returncode == 0 and imports.stdout.strip() == str(tmp_path / "src/train.py"), imports.stderr
+    assert imports.returncode == 0 and imports.stdout.strip() == str(tmp_path / "src/model/gpt.py"), imports.stderr
     (tmp_path / "src" / "train.py").write_text("# edited")  # unpacking again would overwrite an edit
     again = subprocess.run([sys.executable, str(script), "--unpack", str(tmp_path / "src")], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=60)
@@ -141,22 +136,6 @@ def test_record_folder_contents(tiny_seed_runs, tmp_path, capsys):
     assert all(f"| {s} | tiny-run-s{s} |" in readme for s in TINY_SEEDS) and "python train_gpt.py" in readme
     assert oct((out / "README.md").stat().st_mode & 0o777) != oct(0o600), "readable like any other file"
     assert "wrote" in capsys.readouterr().out
-
-
-def test_code_flag_ships_the_sources_plain_and_counts_those_bytes(tiny_seed_runs, tmp_path):
-    """--code plain: train_gpt.py holds the sources as readable literals (no packed blob), and the record's
-    bytes_code and bytes_total count that larger file."""
-    packed = export(tiny_seed_runs, tmp_path / "packed")
-    plain = export(tiny_seed_runs, tmp_path / "plain", "--code", "plain")
-    script = (plain / "train_gpt.py").read_text()
-    assert "PACKED = b'" not in script and "PACKED = b'" in (packed / "train_gpt.py").read_text()
-    assert embedded_sources(script)["training.trainer"] == (False, (REPO / "training/trainer.py").read_text())
-    sizes = {out.name: (out / "train_gpt.py").stat().st_size for out in (packed, plain)}
-    assert sizes["plain"] > 2 * sizes["packed"]
-    sizes = {name: size + (tmp_path / name / "config.toml").stat().st_size for name, size in sizes.items()}
-    for out in (packed, plain):
-        sub = json.loads((out / "submission.json").read_text())
-        assert sub["bytes_code"] == sizes[out.name]
 
 
 def test_existing_record_needs_force(tiny_seed_runs, tmp_path):
@@ -225,7 +204,7 @@ def test_bad_runs_are_refused_and_nothing_is_written(tiny_seed_runs, tmp_path):
     late = tmp_path / "late.txt"  # calibration on training tokens ran past the budget's reserve
     late.write_text(tiny_seed_runs.logs[1].read_text()
                     + f"final {json.dumps({**final, 'calib_within_budget': False, 'calib_total_s': 9.0})}\n")
-    # within the cap under its run's own code count, not beside the ~95 KB train_gpt.py and config.toml that ship
+    # within the cap beside the code its run counted, which is less than the train_gpt.py and config.toml that ship
     tight = tmp_path / "tight.txt"
     tight.write_text(tiny_seed_runs.logs[1].read_text() + "final " + json.dumps(
         {**final, "artifact_bytes": 15_950_000, "code_bytes": 50_000, "total_bytes": 16_000_000}) + "\n")
@@ -236,8 +215,8 @@ def test_bad_runs_are_refused_and_nothing_is_written(tiny_seed_runs, tmp_path):
              ([subset], "subset.txt: scored on the first eval.max_tokens=1000 validation tokens only"),
              ([tiny_seed_runs.logs[0]] * 2, "runs share a seed"),
              ([twice], r"twice.txt: holds 2 runs appended under one run_id"),
-             ([tight], rf"seed {TINY_SEEDS[1]}: artifact 15,950,000 \+ code \d\d,\d\d\d bytes = 16,\d\d\d,\d\d\d, over "
-                       r"the 16,000,000-byte cap \(hint: the code counted is what ships"),
+             ([tight], r"tight.txt: counted 50,000 bytes of code, and the record would ship \d\d,\d\d\d \(train_gpt.py "
+                       r"\d\d,\d\d\d \+ config.toml \d,\d\d\d\): its artifact was budgeted beside less code"),
              ([late], r"late.txt: .*and calibration on training tokens \(9.0 s\) took longer than train.time_budget_s")]
     for runs, message in cases:
         with pytest.raises(SystemExit, match=message):
@@ -277,6 +256,8 @@ def test_record_reproduces_the_repository_run_from_an_empty_folder(tiny_seed_run
     assert [e["val_bpb"] for e in again.evals] == pytest.approx([e["val_bpb"] for e in logged.evals], rel=1e-5)
     assert again.code == logged.code, "the record's stripped modules log the digest of the sources they came from"
     assert final["code_bytes"] == (record / "train_gpt.py").stat().st_size + (record / "config.toml").stat().st_size
+    # The run counted the same train_gpt.py and CONFIG_BYTES for its config.toml: at least what ships.
+    assert logged.final["code_bytes"] == (record / "train_gpt.py").stat().st_size + CONFIG_BYTES >= final["code_bytes"]
     assert (record / "runs" / f"{logged.run_id}.mhcg").stat().st_size == final["artifact_bytes"]
     # Its command line is train.py's: --config is optional (the record's config.toml), bad input is one line.
     usage = subprocess.run([sys.executable, "train_gpt.py", "--help"], cwd=record, capture_output=True, text=True,
@@ -347,18 +328,21 @@ def test_the_code_digest_follows_the_sources_and_is_none_where_the_walk_fails(tm
 
 
 def test_the_record_script_counts_the_config_it_is_given(tmp_path):
-    """train_gpt.py --config FILE counts FILE beside itself as the code that ships (config.toml when not given)."""
-    from training.record_script import BOOTSTRAP
+    """train_gpt.py --config FILE counts FILE beside itself as the code that ships (config.toml when not given), and
+    puts its own training.shipped_code in place: that count, and the digest of the sources it was made from."""
     script = tmp_path / "train_gpt.py"
-    script.write_text(BOOTSTRAP, encoding="utf-8")
+    script.write_text("#" * 1000, encoding="utf-8")
     (tmp_path / "config.toml").write_text("#" * 100)
     other = tmp_path / "other.toml"
     other.write_text("#" * 7)
-    record = {"__file__": str(script), "__name__": "record"}
-    exec(compile(BOOTSTRAP, str(script), "exec"), record)
+    record = {"__file__": str(script), "__name__": "record", "PACKED": ["", "train.py", "X = 1\n"]}
+    exec(compile(RUNTIME.replace("@DIGEST@", "0123456789abcdef"), str(script), "exec"), record)
+    assert record["MODULES"] == {"train": (False, "train.py", "X = 1\n")}
     assert record["config_path"](["--config", str(other), "train.seed=1"]) == str(other)
     assert record["config_path"](["train.seed=1"]) == str(tmp_path / "config.toml")
-    size = script.stat().st_size
-    assert record["script_code_bytes"](record["config_path"](["--config", str(other)])) == size + 7
-    assert record["script_code_bytes"](record["config_path"]([])) == size + 100
-    assert record["script_code_bytes"](tmp_path / "gone.toml") == size  # a missing config is train.py's error
+    assert record["script_code_bytes"](record["config_path"](["--config", str(other)])) == 1007
+    assert record["script_code_bytes"](record["config_path"]([])) == 1100
+    assert record["script_code_bytes"](tmp_path / "gone.toml") == 1000  # a missing config is train.py's error
+    seam = record["shipped_code"](other)
+    assert seam.__name__ == "training.shipped_code" and (seam.code_bytes(), seam.code_digest()) == (1007,
+                                                                                                    "0123456789abcdef")

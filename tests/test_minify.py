@@ -1,5 +1,6 @@
 """training.minify: what a packed record's modules lose (docstrings, comments, the annotations of undecorated
-functions) and what they keep (the program: the same results, Triton kernels and torch.library operators included)."""
+functions, spaces) and what they keep (the program: the same results, Triton kernels and torch.library operators
+included)."""
 import json
 import os
 import subprocess
@@ -10,18 +11,17 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from scripts.export_record import generate_script
-from training.minify import strip_source
-from training.sources import collect_modules
+from training.minify import _needs_space, compact_source, minify_source, strip_source
+from training.packing import generate_script, shipped_modules
 
 
-def stripped_module(name: str, monkeypatch) -> types.ModuleType:
-    """The repository module `name`, stripped, as a module of its own beside the original (registered, as
+def minified_module(name: str, monkeypatch) -> types.ModuleType:
+    """The repository module `name`, minified, as a module of its own beside the original (registered, as
     dataclasses need their module in sys.modules)."""
     path = REPO.joinpath(*name.split(".")).with_suffix(".py")
-    module = types.ModuleType(f"stripped_{name.replace('.', '_')}")
+    module = types.ModuleType(f"minified_{name.replace('.', '_')}")
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    exec(compile(strip_source(path.read_text(), str(path)), str(path), "exec"), module.__dict__)
+    exec(compile(minify_source(path.read_text(), str(path)), str(path), "exec"), module.__dict__)
     return module
 
 
@@ -77,19 +77,32 @@ def tuned(n, BLOCK: tl.constexpr):
         strip_source("def broken(:\n", "broken.py")
 
 
-def test_stripping_every_shipped_module_keeps_it_compilable_and_smaller():
-    for name, (path, _) in collect_modules(REPO).items():
+def test_compact_layout_keeps_a_space_only_where_the_tokens_need_it():
+    source = ("x = 1 if a else 2.0\ny = f'{a!r:>10} b' + b'x' * -3 ** 2\nz = a[...] if not a . b else (1).real\n"
+              "def f(*args, **kw) -> int:\n    if x:\n        return 'a' in kw\n    return x . __class__\n"
+              "w = 1 .real + 0x1f - 1e-05\n")
+    out = compact_source(strip_source(source))
+    assert out == ("x=1 if a else 2.0\ny=f'{a!r:>10} b'+b'x'*-3**2\nz=a[...]if not a.b else 1 .real\n"
+                   "def f(*args,**kw):\n if x:\n  return'a'in kw\n return x.__class__\nw=1 .real+31-1e-05\n")
+    assert compact_source(out) == out and compact_source("") == ""
+    assert _needs_space("*", "*", False) and _needs_space(".", ".", False) and _needs_space("-", ">", False)
+    assert _needs_space("1", "if", True) and _needs_space("else", "f'x'", False)
+    assert not _needs_space(")", "if", False) and not _needs_space("=", "-", False)
+
+
+def test_minifying_every_shipped_module_keeps_it_compilable_and_smaller():
+    for name, (path, _) in shipped_modules(REPO).items():
         source = path.read_text()
-        stripped = strip_source(source, str(path))
-        compile(stripped, str(path), "exec")
-        assert len(stripped) <= len(source), name
+        minified = minify_source(source, str(path))
+        compile(minified, str(path), "exec")
+        assert len(minified) <= len(strip_source(source, str(path))) <= len(source), name
 
 
-def test_stripped_modules_compute_what_the_originals_do(monkeypatch):
+def test_minified_modules_compute_what_the_originals_do(monkeypatch):
     from quant import knapsack, pack
     from training import schedule
     from training.config import OptimConfig
-    small_pack, small_knapsack, small_schedule = (stripped_module(n, monkeypatch) for n in ("quant.pack", "quant.knapsack",
+    small_pack, small_knapsack, small_schedule = (minified_module(n, monkeypatch) for n in ("quant.pack", "quant.knapsack",
                                                                                  "training.schedule"))
     rng = np.random.default_rng(0)
     codes = rng.integers(-15, 16, size=1000).astype(np.int8)
@@ -107,7 +120,7 @@ def test_stripped_modules_compute_what_the_originals_do(monkeypatch):
 KERNEL_CALL = """
 import json, sys, torch
 sys.path.insert(0, sys.argv[1]) if sys.argv[1] != "record" else None
-if sys.argv[1] == "record":  # the record's own import hook serves its stripped modules
+if sys.argv[1] == "record":  # the record's own import hook serves its minified modules
     record = {"__name__": "record", "__file__": sys.argv[2]}
     exec(compile(open(sys.argv[2]).read(), sys.argv[2], "exec"), record)
     sys.meta_path.insert(0, record["EmbeddedModules"]())
@@ -121,11 +134,11 @@ print(json.dumps([mlp.__file__, mlp.fused_mlp(x, w_up, w_down).flatten().tolist(
 """
 
 
-def test_a_stripped_triton_kernel_runs_as_the_original_does(tmp_path):
-    """Triton reads a kernel's source (inspect.getsource, through the record's linecache entry): the stripped
+def test_a_minified_triton_kernel_runs_as_the_original_does(tmp_path):
+    """Triton reads a kernel's source (inspect.getsource, through the record's linecache entry): the minified
     kernel, served by the record's import hook, gives the repository kernel's output bit for bit (interpreter)."""
     script = tmp_path / "train_gpt.py"
-    script.write_text(generate_script(collect_modules(REPO), "t", "c"))
+    script.write_text(generate_script(REPO))
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "TRITON_INTERPRET": "1"}
     outputs = []
     for where in (str(REPO), "record"):
@@ -136,3 +149,45 @@ def test_a_stripped_triton_kernel_runs_as_the_original_does(tmp_path):
     (repo_file, repo_y), (record_file, record_y) = outputs
     assert repo_file == str(REPO / "kernels/mlp.py") and record_file == str(tmp_path / "kernels/mlp.py")
     assert repo_y == record_y
+
+
+def test_locals_get_short_names_and_everything_read_by_name_keeps_its_own():
+    source = '''
+import math
+total = 0
+def f(width, *, depth=2):
+    result = width * depth
+    for item in range(depth):
+        result += item
+    squares = [k * k for k in range(3)]
+    outer = [total for unused in range(2)]
+    try:
+        math.sqrt(-1)
+    except ValueError as error:
+        result += len(str(error))
+    import os.path
+    def inner():
+        return captured
+    captured = result
+    return result + sum(squares) + len(outer) + inner() + (lambda: width)() + int(bool(os.path))
+def g():
+    answer = 1
+    return locals()
+def h():
+    hidden = 1
+    def set_it():
+        nonlocal hidden
+        hidden = 2
+    set_it()
+    return hidden
+'''
+    namespace, renamed = {}, {}
+    exec(source, namespace)
+    out = minify_source(source)
+    exec(out, renamed)
+    assert renamed["f"](3, depth=4) == namespace["f"](3, depth=4) and renamed["h"]() == namespace["h"]() == 2
+    assert renamed["g"]() == {"answer": 1}, "a function that reads its locals by name keeps them"
+    for kept in ("width", "depth", "total", "captured", "inner", "os.path", "math", "hidden", "set_it"):
+        assert kept in out, kept
+    for renamed_away in ("result", "item", "squares", "error", "unused", " k "):
+        assert renamed_away not in out, renamed_away

@@ -1,10 +1,10 @@
-"""scripts.plot and training.run_log on logs written by the real RunLog (same format as train.py's)."""
+"""scripts.plot and training.log_reader on logs written by the real RunLog (same format as train.py's)."""
 from pathlib import Path
 
 import pytest
 
 from scripts import plot
-from training.run_log import LogFormatError, parse_lines, parse_log
+from training.log_reader import LogFormatError, parse_lines, parse_log
 from training.run_log import RunLog
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -255,7 +255,7 @@ def test_a_stop_signal_reaches_the_command_once_and_its_output_is_read_to_the_en
     import sys
     import threading
 
-    from training.run_log import stream_run
+    from training.log_reader import stream_run
     child = tmp_path / "child.py"
     child.write_text(
         "import os, signal, sys, time\n"

@@ -1,71 +1,75 @@
-"""Size accounting: which code files count, and the 16,000,000-byte cap."""
+"""Size accounting: the code a run counts (the train_gpt.py a record of this tree ships, and a bound on its
+config.toml) and the 16,000,000-byte cap."""
+import os
 from pathlib import Path
 
 import pytest
 
-from quant.size import CAP_BYTES, CODE_FILES, SizeCapError, check_total, code_bytes, code_files, require_fits
+from quant.size import CAP_BYTES, check_total
+from training import packing
+from training.packing import generate_script, script_bytes, shipped_modules
+from training.shipped_code import CONFIG_BYTES, code_bytes
+from training.sources import collect_modules
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def make_repo(root: Path, files: dict[str, bytes]) -> None:
-    for rel, data in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_bytes(data)
+def test_a_run_counts_the_script_a_record_of_this_tree_ships_and_the_config_bound():
+    script = generate_script(REPO).encode()
+    assert code_bytes() == len(script) + CONFIG_BYTES == script_bytes(REPO) + CONFIG_BYTES
+    assert generate_script(REPO).encode() == script, "the script is a function of the tree alone"
 
 
-def fake_repo_files() -> dict[str, bytes]:
-    files = {rel.replace("*", "a"): b"x" * (i + 1) for i, rel in enumerate(CODE_FILES)}
-    files.update({"quant/gptq.py": b"NOT SHIPPED" * 9, "training/optim.py": b"no" * 40, "train.py": b"t" * 5})
-    return files
+def test_what_scores_an_artifact_ships_in_a_record():
+    """A record scores its artifact with what it ships: everything scripts/evaluate.py imports, itself and the
+    count of a checkout's code (which a record brings its own of) aside."""
+    shipped = set(shipped_modules(REPO))
+    needed = {name for name in collect_modules(REPO, "scripts.evaluate", stop=(packing.SEAM,))
+              if not name.startswith("scripts")}
+    assert not sorted(needed - shipped), "imported to score an artifact, but not in a record's train_gpt.py"
+    assert not {"training.shipped_code", "training.packing", "training.minify", "training.sources"} & shipped
 
 
-def test_code_bytes_counts_exactly_the_listed_files(tmp_path):
-    make_repo(tmp_path, fake_repo_files())
-    names = {p.relative_to(tmp_path).as_posix() for p in code_files(tmp_path)}
-    assert names == {rel.replace("*", "a") for rel in CODE_FILES}
-    assert code_bytes(tmp_path) == sum(range(1, len(CODE_FILES) + 1))
+def test_the_count_is_made_again_when_a_source_changes_and_only_then(tmp_path, monkeypatch):
+    (tmp_path / "train.py").write_text("import helper\nprint(helper.X)\n")
+    (tmp_path / "helper.py").write_text("X = 1\n")
+    made = []
+    real = packing.generate_script
+    monkeypatch.setattr(packing, "generate_script", lambda repo: made.append(repo) or real(repo))
+    first = script_bytes(tmp_path)
+    assert script_bytes(tmp_path) == first and len(made) == 1
+    (tmp_path / "helper.py").write_text("X = 'a longer value than before, which the script carries'\n")
+    assert script_bytes(tmp_path) > first and len(made) == 2
+    (tmp_path / "helper.py").write_text("X = 'a longer value than before, which the script carries'\n")
+    os.utime(tmp_path / "helper.py", ns=(1, 1))  # touched: made again, to the same bytes
+    assert script_bytes(tmp_path) == len(real(tmp_path).encode()) and len(made) == 3
 
 
-def test_a_pattern_matching_nothing_is_an_error(tmp_path):
-    files = fake_repo_files()
-    del files["training/evaluate.py"]
-    make_repo(tmp_path, files)
-    with pytest.raises(FileNotFoundError, match="'training/evaluate.py' matches no file.*CODE_FILES"):
-        code_bytes(tmp_path)
-    with pytest.raises(FileNotFoundError, match="not a directory"):
-        code_bytes(tmp_path / "missing")
-
-
-def test_counted_code_covers_everything_the_evaluator_imports():
-    """What loads and scores an artifact must be counted: the import closure of scripts/evaluate.py."""
-    from scripts.export_record import collect_modules
-    counted = set(code_files(REPO))
-    needed = {path.resolve() for path, _ in collect_modules(REPO, "scripts.evaluate").values()}
-    missing = sorted(str(p.relative_to(REPO)) for p in needed - {p.resolve() for p in counted})
-    assert not missing, f"imported by scripts/evaluate.py but not counted in quant.size.CODE_FILES: {missing}"
-
-
-def test_code_files_patterns_cover_this_repository_loader():
-    """The shipped quant files exist here; patterns are relative globs."""
-    assert CODE_FILES[0] == "model/*.py"
-    for rel in ("quant/__init__.py", "quant/container.py", "quant/pack.py"):
-        assert rel in CODE_FILES and (REPO / rel).is_file()
-    assert code_bytes(REPO, ("quant/container.py", "quant/pack.py")) == sum(
-        (REPO / "quant" / n).stat().st_size for n in ("container.py", "pack.py"))
-
-
-def test_check_total_and_cap_enforcement():
+def test_check_total_and_cap():
     ok = check_total(15_000_000, 999_999)
     assert ok == {"artifact_bytes": 15_000_000, "code_bytes": 999_999, "total_bytes": 15_999_999,
                   "cap": CAP_BYTES, "fits": True, "over_by": 0}
-    assert require_fits(ok) is ok
     assert check_total(15_000_000, 1_000_000)["fits"]  # exactly at the cap fits
     over = check_total(15_900_000, 100_123)
     assert not over["fits"] and over["over_by"] == 123
-    with pytest.raises(SizeCapError, match="15900000 \\+ code 100123 = 16000123 bytes is over the cap of "
-                                           "16000000 bytes by 123 bytes"):
-        require_fits(over)
     assert check_total(10, 5, cap=12)["over_by"] == 3
     with pytest.raises(ValueError, match=">= 0"):
         check_total(-1, 0)
+
+
+def test_record_bytes_prices_each_module_by_what_the_script_loses_without_it(tmp_path, monkeypatch, capsys):
+    from scripts import record_bytes
+    (tmp_path / "train.py").write_text("import helper\nimport big\nprint(helper.X, big.Y)\n")
+    (tmp_path / "helper.py").write_text("X = 1\n")
+    (tmp_path / "big.py").write_text("Y = " + repr(os.urandom(3000).hex()) + "\n")  # incompressible: costs its size
+    rows = {row["module"]: row for row in record_bytes.module_costs(tmp_path)}
+    assert rows["all"]["cost"] == len(generate_script(tmp_path).encode())
+    assert rows["big.py"]["cost"] > 3000 > 20 > rows["helper.py"]["cost"] > 0  # random hex packs 2:1 at best
+    assert rows["big.py"]["minified"] == len((tmp_path / "big.py").read_text().replace(" = ", "="))
+    sizes = record_bytes.compressors(tmp_path)
+    n = sizes["brotli"]
+    assert sizes["brotli base85"] == 5 * (n // 4) + (n % 4 + 1 if n % 4 else 0) and sizes["raw"] > 6000
+    monkeypatch.setattr(record_bytes, "REPO", tmp_path)
+    record_bytes.main()
+    out = capsys.readouterr().out
+    assert f"| big.py | {rows['big.py']['source']:,} | " in out and "| all | " in out and "| xz base85 |" in out

@@ -16,7 +16,7 @@ from scripts import export_record, reproduce
 from training.records import ComparisonError, Scored, read_baseline, significance
 from scripts.reproduce import SeedRun
 from training.records import SeedResult, build_submission
-from training.run_log import parse_log
+from training.log_reader import parse_log
 from training.records import betainc_regularized, student_t_sf, welch_one_sided
 
 
@@ -334,9 +334,9 @@ def test_two_tiny_seeds_give_a_submission(tiny_seed_runs):
     ("quant.cap_bytes={code_and_1k}", "no artifact: "),  # 1 kB beside the code: train.py ships nothing
 ])
 def test_a_failing_seed_is_reported_and_exits_nonzero(demo_dir, tmp_path, capsys, failure, message):
-    from quant.size import code_bytes
+    from training.shipped_code import code_bytes
     overrides = [*tiny_run_overrides(demo_dir, tmp_path), "train.max_steps=2", "quant.margin_bytes=0",
-                 failure.format(tmp=tmp_path, code_and_1k=code_bytes(REPO) + 1000)]
+                 failure.format(tmp=tmp_path, code_and_1k=code_bytes() + 1000)]
     code = reproduce.main(["--config", str(REPO / "configs/demo.toml"), "--seeds", "5", "--out", str(tmp_path / "sub"),
                            "--", *overrides])
     captured = capsys.readouterr()

@@ -16,7 +16,7 @@ from conftest import FakeWandb
 from data.shards import ShardError
 from model.gpt import GPT
 from quant.container import load_artifact
-from training.run_log import parse_log
+from training.log_reader import parse_log
 from training.config import ConfigError, load_config
 from training.distributed import destroy, init_distributed
 from training.optim import build_optimizers
@@ -89,7 +89,7 @@ def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path,
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (again["context"], again["stride"], again["max_tokens"]) == (32, 16, 3000)
     assert again["val_bpb"] == final["val_bpb"] and again["tokens"] == final["tokens"]
-    assert again["code_bytes"] == final["code_bytes"]  # the repository's code, as train.py counted it
+    assert again["code_bytes"] == final["code_bytes"]  # the code a record of this tree ships, as train.py counted it
     shipped = [tmp_path / "train_gpt.py", tmp_path / "config.toml"]  # a record's: the code that ships counts
     shipped[0].write_bytes(b"#" * 1234)
     shipped[1].write_bytes(b"#" * 56)
@@ -285,8 +285,8 @@ def test_two_ranks_reproduce_one_process_at_the_same_global_batch(tmp_path, free
 
 def test_artifact_over_the_cap_is_never_reported_as_success(demo_dir, tmp_path, capsys):
     import train
-    from quant.size import code_bytes
-    small_cap = f"quant.cap_bytes={code_bytes(REPO) + 1000}"  # 1 kB for the artifact: the tiny model needs ~39
+    from training.shipped_code import code_bytes
+    small_cap = f"quant.cap_bytes={code_bytes() + 1000}"  # 1 kB for the artifact: the tiny model needs ~39
     with pytest.raises(SystemExit, match="no artifact: even the coarsest grid of every tensor is over the budget"):
         train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
                     "train.max_steps=2", small_cap, "quant.margin_bytes=0", "train.time_budget_s=600",
@@ -299,8 +299,8 @@ def test_artifact_over_the_cap_is_never_reported_as_success(demo_dir, tmp_path, 
 
 
 @pytest.mark.parametrize("override, says", [
-    ("quant.cap_bytes=90000", "quant.margin_bytes=20,000 with"),      # less than the code itself
-    ("quant.budget_bytes=15900000", "quant.budget_bytes=15,900,000 with")])
+    ("quant.cap_bytes=40000", "quant.margin_bytes=20,000 with"),      # less than the code itself
+    ("quant.budget_bytes=15990000", "quant.budget_bytes=15,990,000 with")])
 def test_a_budget_that_cannot_fit_beside_the_code_stops_the_run_at_setup(demo_dir, tmp_path, override, says):
     """A quant.budget_bytes above what the cap leaves beside the code trained the whole budget
     and failed only at the export (a cap below the code did too)."""

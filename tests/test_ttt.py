@@ -206,7 +206,7 @@ def test_a_run_scores_with_ttt_and_scripts_evaluate_reproduces_it_from_the_artif
     import train
     from scripts import evaluate
     from test_train import REPO, tiny_overrides
-    from training.run_log import parse_log
+    from training.log_reader import parse_log
     final = train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
                         "train.max_steps=2", "eval.pre_quant=false", "quant.method=rtn", "eval.max_tokens=1200", "eval.ttt=chunk_sgd",
                         "eval.ttt_chunk_tokens=256", "eval.ttt_lr=0.02"])

@@ -18,11 +18,10 @@ from model.layers import MLP
 from quant.calibrate import generate_calibration_tokens
 from quant.allocate import BudgetError
 from quant.export import export_artifact, kind_summary
-from quant.size import code_bytes
 from training.config import Config, ConfigError
 from training.eval_config import EVAL_RECORDED
+from training.shipped_code import code_bytes
 
-REPO = Path(__file__).resolve().parents[1]
 CALIB_SEED_OFFSET = 7919  # calibration reads the training shards in an order of its own
 ARTIFACT_CODEC = "brotli"  # Brotli-11 on every tensor chunk (quant.container); train.py checks it at setup
 
@@ -95,7 +94,7 @@ def artifact_budget(cfg: Config) -> tuple[int, int]:
     """(the artifact's byte budget, the counted code): quant.budget_bytes, else cap_bytes - code - margin_bytes.
     Refused when the budget and the code do not fit under quant.cap_bytes: train.py asks at setup, before training,
     not after it."""
-    code = code_bytes(REPO)
+    code = code_bytes()
     budget = cfg.quant.budget_bytes or cfg.quant.cap_bytes - code - cfg.quant.margin_bytes
     if budget <= 0 or budget + code > cfg.quant.cap_bytes:
         given = f"quant.budget_bytes={cfg.quant.budget_bytes:,}" if cfg.quant.budget_bytes else \

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from data.files import write_atomic
 from quant.size import CAP_BYTES
-from training.run_log import RunLogData, parse_log
+from training.log_reader import RunLogData, parse_log
 
 
 # -- statistics ---------------------------------------------------------------------------------------

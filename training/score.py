@@ -13,13 +13,13 @@ from data.tokenizer import ByteLUT
 from model.config import ModelConfig
 from model.gpt import GPT
 from quant.container import ArtifactError, check_meta, load_artifact
-from quant.size import check_total, code_bytes
+from quant.size import check_total
 from training.eval_config import EVAL_RECORDED, EvalConfig
 from training.evaluate import evaluate_bpb
+from training.shipped_code import code_bytes
 from training.ttt import evaluate_bpb_ttt
 from training.ttt_lora import evaluate_bpb_doc_lora
 
-REPO = Path(__file__).resolve().parents[1]
 TTT_PASSES = {"chunk_sgd": evaluate_bpb_ttt, "doc_lora": evaluate_bpb_doc_lora}  # by eval.ttt
 
 
@@ -143,7 +143,7 @@ def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT
                 device: torch.device, rank: int = 0, world_size: int = 1,
                 tokenizer_sha256: str | None = None, progress=None, before_batch=None,
                 shipped_code: list[Path] | None = None) -> dict:
-    """BPB of the model loaded from `artifact`, and the shipped size (artifact + counted code: the repository's,
+    """BPB of the model loaded from `artifact`, and the shipped size (artifact + counted code: training.shipped_code's,
     or the files of `shipped_code`). With eval_cfg.ttt, the score-first test-time training pass's too (val_loss_ttt,
     val_bpb_ttt, and its wall-clock ttt_time_s), after the plain score: chunk_sgd trains `model` in place, doc_lora
     gives it its weights back.
@@ -160,7 +160,7 @@ def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT
                                        rank=rank, world_size=world_size, progress=progress, before_batch=before_batch)
         result.update(val_loss_ttt=ttt["val_loss"], val_bpb_ttt=ttt["val_bpb"],
                       ttt_time_s=round(time.perf_counter() - t0, 1))
-    code = code_bytes(REPO) if shipped_code is None else sum(f.stat().st_size for f in shipped_code)
+    code = code_bytes() if shipped_code is None else sum(f.stat().st_size for f in shipped_code)
     sizes = check_total(artifact.stat().st_size, code)
     result.update(context=eval_cfg.context, stride=eval_cfg.stride, max_tokens=eval_cfg.max_tokens, ttt=eval_cfg.ttt,
                   artifact_bytes=sizes["artifact_bytes"], code_bytes=sizes["code_bytes"],

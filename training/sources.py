@@ -4,7 +4,8 @@ collect_modules walks train.py's imports (lazy ones inside functions too) throug
 not depend on the config a run takes. code_digest hashes those sources: two runs with the same digest ran the same
 code, whatever git said (a checkout with a stale .git, uncommitted edits). scripts.reproduce and
 scripts.export_record compare it before they count a logged run as a run of the code at hand. A record's
-train_gpt.py carries these sources stripped (training.minify) and logs the digest of the originals, which it holds.
+train_gpt.py carries these sources minified (training.packing), but for the count of a checkout's code, and logs the
+digest of the originals, which it holds.
 """
 from __future__ import annotations
 
@@ -41,13 +42,14 @@ def imported_names(source: str, where: str) -> set[str]:
     return names
 
 
-def collect_modules(repo: Path, entry: str = "train") -> dict[str, tuple[Path, bool]]:
-    """`entry` and, transitively, every repository module it imports, with their parent packages."""
+def collect_modules(repo: Path, entry: str = "train", stop: tuple[str, ...] = ()) -> dict[str, tuple[Path, bool]]:
+    """`entry` and, transitively, every repository module it imports, with their parent packages; the modules of
+    `stop` are left out, and what only they import."""
     found: dict[str, tuple[Path, bool]] = {}
     todo = [entry]
     while todo:
         name = todo.pop()
-        if name in found:
+        if name in found or name in stop:
             continue
         located = module_file(repo, name)
         if located is None:
