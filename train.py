@@ -219,11 +219,14 @@ def train_and_ship(cfg: Config, dist, model, step_model, optimizers, loader, val
     elif cfg.train.compile:
         warm_up_compile(step_model, model, loader, optimizers, cfg, grad_accum_steps(cfg, dist.world_size), device, log)
 
+    # eval.compile compiles model.token_nll, not step_model (its graphs are the training loss with gradients); the EMA
+    # swap copies weights in place, and compiled graphs take the parameters as inputs, so they score the EMA weights
     def evaluate(m=model, before_batch=None) -> dict:
         return evaluate_bpb(m, val.tokens, val.lut, context=cfg.eval.context, stride=cfg.eval.stride,
                             batch_seqs=cfg.eval.batch_seqs, device=device,
                             autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                            rank=dist.rank, world_size=dist.world_size, progress=log, before_batch=before_batch)
+                            rank=dist.rank, world_size=dist.world_size, progress=log, before_batch=before_batch,
+                            compile=cfg.eval.compile)
 
     checkpointer.install_signal_handlers()  # until the artifact is scored: a signal after training keeps its state
     try:

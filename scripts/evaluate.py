@@ -6,7 +6,9 @@ Prints one JSON line: val_loss, val_bpb, tokens, bytes, context, stride, artifac
 total_bytes; with test-time training, also val_loss_ttt, val_bpb_ttt and ttt_time_s. train.py's final line comes
 from training.score.evaluate_artifact: the same code path. Unless --context / --stride / --max-tokens / --batch-seqs
 and eval.ttt* settings say otherwise, it scores as the run did (its eval settings, recorded in the artifact), so the
-numbers are train.py's. Score-first test-time training beside the plain score (docs/operations.md):
+numbers are train.py's; eval.compile=true runs the passes' model calls through torch.compile (not recorded: a
+GPU's speed-up, the same scores to rounding). Score-first test-time training beside the plain score
+(docs/operations.md):
 
     python -m scripts.evaluate --artifact A.mhcg --val DIR --tokenizer T.model eval.ttt=chunk_sgd [eval.ttt_lr=...]
 The counted code is what a record made from this checkout ships (training.shipped_code), as train.py counts it; for
@@ -34,8 +36,9 @@ from training.score import load_model, recorded_eval, require_same_tokenizer, sc
 
 # Bad input (a path, an artifact, shards, a tokenizer, a missing codec module): the message names the file and
 # gives a hint, so it is printed alone.
-# The eval settings given as eval.KEY=VALUE: test-time training's (the window settings have their flags).
-TTT_SETTINGS = tuple(key for key in EVAL_RECORDED if key.startswith("ttt"))
+# The eval settings given as eval.KEY=VALUE: test-time training's (the window settings have their flags), and
+# eval.compile, which the artifact does not record (it changes how fast a machine scores, not what is scored).
+SETTINGS = tuple(key for key in EVAL_RECORDED if key.startswith("ttt")) + ("compile",)
 INPUT_ERRORS = (ArtifactError, ShardError, TokenizerError, ByteAuditError, CodecUnavailable, FileNotFoundError)
 
 
@@ -55,10 +58,10 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cpu, cuda or cuda:N (default: cuda where a GPU is visible)")
     p.add_argument("settings", nargs="*", metavar="eval.KEY=VALUE",
-                   help=f"test-time training, KEY one of {', '.join(TTT_SETTINGS)} (default: the run's)")
+                   help=f"KEY one of {', '.join(SETTINGS)} (default: the run's; compile: false)")
     a = p.parse_args(argv)
     try:
-        a.ttt = dict(parse_setting(item, "eval", TTT_SETTINGS) for item in a.settings)
+        a.eval = dict(parse_setting(item, "eval", SETTINGS) for item in a.settings)
     except ConfigError as e:
         p.error(str(e))
     try:
@@ -90,7 +93,7 @@ def score(a: argparse.Namespace, p: argparse.ArgumentParser, device: torch.devic
                          "a score on them is no validation score (hint: --val DIR, or 'DIR/fineweb_val_*.bin')")
     model, meta = load_model(Path(a.artifact), device)
     eval_cfg = recorded_eval(meta, a.artifact, context=a.context, stride=a.stride, max_tokens=a.max_tokens,
-                             batch_seqs=a.batch_seqs, **a.ttt)
+                             batch_seqs=a.batch_seqs, **a.eval)
     try:
         eval_cfg.validate()
     except ValueError as e:

@@ -46,6 +46,7 @@ def test_overrides_apply_after_the_file_with_types():
     ("eval.max_tokens=-1", "eval.max_tokens=-1 must be >= 0 (0 = every token)"),
     ("eval.every_steps=-5", "eval.every_steps=-5 must be >= 0"),
     ("eval.batch_seqs=0", "eval.batch_seqs=0 must be >= 1"),
+    ("eval.compile=yes", "eval.compile: expected true/false"),
     ("eval.max_tokens=1", "eval.max_tokens=1 scores no token: 0 (every token) or >= 2"),
     ("quant.cap_bytes=16000001", "quant.cap_bytes=16,000,001 is above the challenge's 16,000,000-byte cap"),
     # the run id names files and a folder: a path put the log and artifact elsewhere

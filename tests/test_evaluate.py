@@ -357,3 +357,63 @@ def test_shards_of_another_tokenizer_without_a_manifest_are_refused(tiny_seed_ru
     with pytest.raises(SystemExit, match=r"scripts.evaluate: .*fineweb_val_\*.bin: decoded with .*tokenizer.model and "
                                          r"encoded again, \d+ of the first \d+ documents come back as other ids"):
         evaluate.main([*args, "--val", str(tmp_path / "other")])
+
+
+def tiny_gpt() -> nn.Module:
+    from model.config import ModelConfig
+    from model.gpt import GPT
+    torch.manual_seed(0)
+    return GPT(ModelConfig(vocab_size=32, n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, n_streams=2,
+                           mhc_kernels=False)).eval()
+
+
+def test_a_padded_batch_scores_what_the_batch_scores_and_reads_no_later_token():
+    """eval.compile pads a batch to [batch_seqs, context]: its padding rows and the positions past a short window's
+    end are never scored, and hold token 0, not the tokens after the window (a later token never reaches a score)."""
+    from training.evaluate import Window, score_batch
+    model, cpu = tiny_gpt(), torch.device("cpu")
+    tokens = torch.from_numpy(np.random.default_rng(0).integers(4, 32, 100))
+    all_bytes = target_bytes(tokens, simple_lut(32)).to(torch.int32)
+    batch = [Window(start=10, score_from=2, length=8), Window(start=40, score_from=5, length=8)]
+    seen = []
+
+    def token_nll(x, y):
+        seen.append((x, y))
+        return model.token_nll(x, y)
+    with torch.no_grad():
+        plain = score_batch(token_nll, batch, tokens, all_bytes, cpu)
+        padded = score_batch(token_nll, batch, tokens, all_bytes, cpu, shape=(4, 16))
+    assert plain[0].tolist() == list(range(13, 19)) + list(range(46, 49))
+    assert all(torch.equal(a, b) for a, b in zip(plain, padded))
+    x, y = seen[1]
+    assert x.shape == y.shape == (4, 16) and torch.equal(x[:2, :8], seen[0][0]) and torch.equal(y[:2, :8], seen[0][1])
+    assert not x[:2, 8:].any() and not y[:2, 8:].any() and not x[2:].any() and not y[2:].any()
+
+
+def test_compiled_sliding_score_is_the_eager_score_in_one_graph(monkeypatch):
+    """eval.compile: one graph takes every batch of the pass (the last, smaller one; a validation set shorter than
+    the context), reads the weights as they are when called (the EMA swap copies them in place), and aot_eager
+    (torch.compile without inductor's codegen) scores exactly what eager does."""
+    from torch._dynamo.testing import CompileCounter
+
+    from training import evaluate
+    model, lut = tiny_gpt(), simple_lut(32)
+    tokens = np.random.default_rng(2).integers(4, 32, 150).astype(np.uint16)
+    settings = dict(context=24, stride=8, batch_seqs=5, device=torch.device("cpu"))
+    counter = CompileCounter()
+    monkeypatch.setattr(evaluate, "COMPILE_BACKEND", counter)
+    torch._dynamo.reset()
+    try:
+        for n in (150, 20):  # 16 windows in batches of 5, 5, 5 and 1; one window of 19 targets
+            eager = evaluate_bpb(model, tokens[:n], lut, **settings)
+            assert evaluate_bpb(model, tokens[:n], lut, **settings, compile=True) == pytest.approx(eager, rel=1e-12)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+        eager = evaluate_bpb(model, tokens, lut, **settings)
+        assert evaluate_bpb(model, tokens, lut, **settings, compile=True) == pytest.approx(eager, rel=1e-12)
+        assert counter.frame_count == 1
+        monkeypatch.setattr(evaluate, "COMPILE_BACKEND", "aot_eager")
+        assert evaluate_bpb(model, tokens, lut, **settings, compile=True) == eager
+    finally:
+        torch._dynamo.reset()

@@ -75,16 +75,20 @@ def test_chunks_train_only_on_targets_already_scored(n, context, stride, chunk):
             assert c * chunk + 1 <= s + 1 and s + context <= min((c + 1) * chunk, scored_through)
 
 
-def test_no_score_depends_on_a_later_token():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_no_score_depends_on_a_later_token(compiled, monkeypatch):
     """The NLL of every target before position p is exactly the same when the tokens from p on are replaced, for p
-    at, before and after chunk boundaries: no update that scored them saw a token at p or later."""
+    at, before and after chunk boundaries: no update that scored them saw a token at p or later. With eval.compile
+    too (dynamo's graphs run eagerly here), whose score batches are padded."""
+    monkeypatch.setattr("training.evaluate.COMPILE_BACKEND", "eager")
+    cfg = replace(SMALL, compile=compiled)
     tokens = text(250)
-    reference, _ = per_target_nll(tokens)
+    reference, _ = per_target_nll(tokens, cfg)
     rng = np.random.default_rng(1)
     for p in (30, 64, 65, 129, 200):
         changed = tokens.copy()
         changed[p:] = rng.integers(4, VOCAB, len(tokens) - p)
-        nll, _ = per_target_nll(changed)
+        nll, _ = per_target_nll(changed, cfg)
         assert torch.equal(nll[:p - 1], reference[:p - 1]), p  # targets 1..p-1
         assert not torch.equal(nll[p - 1:], reference[p - 1:]), p
 
@@ -132,6 +136,30 @@ def test_score_model_reports_the_ttt_score_beside_the_plain_one(tmp_path):
     assert not set(ttt.TTT_KEYS) & set(plain) and set(ttt.TTT_KEYS) <= set(both)
     assert both["val_bpb"] == plain["val_bpb"] and both["val_bpb_ttt"] != both["val_bpb"]
     assert both["ttt"] == "chunk_sgd" and both["ttt_time_s"] >= 0
+
+
+def test_compiled_chunk_sgd_is_the_eager_pass_in_two_graphs(monkeypatch):
+    """eval.compile: the windows' scoring takes one graph (the plain score's: padded batches), the SGD steps another
+    (every step has the same rows here), and aot_eager trains to the same weights and scores exactly what eager does."""
+    from torch._dynamo.testing import CompileCounter
+    tokens, lut = text(300), simple_lut(VOCAB)
+    eager_model = tiny_model()
+    eager = ttt.evaluate_bpb_ttt(eager_model, tokens, lut, SMALL, device=CPU)
+    counter = CompileCounter()
+    monkeypatch.setattr("training.evaluate.COMPILE_BACKEND", counter)
+    torch._dynamo.reset()
+    try:
+        model = tiny_model()
+        plain = evaluate_bpb(model, tokens, lut, context=32, stride=8, batch_seqs=4, device=CPU, compile=True)
+        assert ttt.evaluate_bpb_ttt(model, tokens, lut, replace(SMALL, compile=True), device=CPU) == \
+            pytest.approx(eager, rel=1e-9)
+        assert counter.frame_count == 2 and plain["val_bpb"] != eager["val_bpb"]
+        monkeypatch.setattr("training.evaluate.COMPILE_BACKEND", "aot_eager")
+        model = tiny_model()
+        assert ttt.evaluate_bpb_ttt(model, tokens, lut, replace(SMALL, compile=True), device=CPU) == eager
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), eager_model.parameters()))
+    finally:
+        torch._dynamo.reset()
 
 
 def ranks_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -202,7 +230,8 @@ def test_settings_on_the_command_line_take_the_field_types():
             parse_setting(bad, "eval", keys)
 
 
-def test_a_run_scores_with_ttt_and_scripts_evaluate_reproduces_it_from_the_artifact(demo_dir, tmp_path, capsys):
+def test_a_run_scores_with_ttt_and_scripts_evaluate_reproduces_it_from_the_artifact(demo_dir, tmp_path, capsys,
+                                                                                    monkeypatch):
     import train
     from scripts import evaluate
     from test_train import REPO, tiny_overrides
@@ -221,6 +250,9 @@ def test_a_run_scores_with_ttt_and_scripts_evaluate_reproduces_it_from_the_artif
     evaluate.main([*argv, "eval.ttt=none"])
     plain = json.loads(capsys.readouterr().out)
     assert plain["val_bpb"] == final["val_bpb"] and "val_bpb_ttt" not in plain
+    monkeypatch.setattr("training.evaluate.COMPILE_BACKEND", "eager")  # eval.compile, not recorded: given here
+    evaluate.main([*argv, "eval.ttt=none", "eval.compile=true"])
+    assert json.loads(capsys.readouterr().out)["val_bpb"] == pytest.approx(final["val_bpb"], rel=1e-6)
     # the other method, on the same path; the recorded chunk_sgd-only settings (eval.ttt_lr) are left out
     evaluate.main([*argv, "eval.ttt=doc_lora", "eval.ttt_lora_rank=4", "eval.ttt_lora_chunk=16", "eval.ttt_lora_docs=4",
                    "eval.ttt_phases=2", "eval.ttt_phase_docs=4"])

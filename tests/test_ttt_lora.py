@@ -176,6 +176,35 @@ def test_score_model_reports_doc_lora_beside_the_plain_score_and_keeps_the_weigh
     assert artifact.read_bytes() == b"x" * 100
 
 
+def test_compiled_doc_lora_scores_as_eager_in_three_graphs(monkeypatch):
+    """eval.compile: the chunks' windows of 8, 16, 24 and 32 tokens share one graph with the sequence length symbolic,
+    with the adapters' gradient, and one without (a batch's last chunk); the phases' SGD steps take a third. Scores
+    are eager's (dynamo's graphs run eagerly here), and a later token still reaches no earlier score. The plain
+    residual stream: the shapes decide the graphs, and mHC's Sinkhorn rounds take long to trace on a CPU."""
+    from torch._dynamo.testing import CompileCounter
+
+    from training import evaluate
+
+    def plain_model() -> GPT:
+        torch.manual_seed(0)
+        return GPT(ModelConfig(vocab_size=VOCAB, n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, n_streams=1))
+    tokens, cfg = documents(), replace(SMALL, compile=True)
+    reference = per_target_nll(tokens, model=plain_model())
+    counter = CompileCounter()
+    monkeypatch.setattr(evaluate, "COMPILE_BACKEND", counter)
+    torch._dynamo.reset()
+    try:
+        compiled = per_target_nll(tokens, cfg, plain_model())
+        assert torch.equal(compiled, reference) and counter.frame_count == 3
+        changed = tokens.copy()
+        changed[79:] = np.random.default_rng(1).integers(4, VOCAB, len(tokens) - 79)
+        nll = per_target_nll(changed, cfg, plain_model())
+        assert torch.equal(nll[:78], compiled[:78]) and not torch.equal(nll[78:], compiled[78:])
+        assert counter.frame_count == 3
+    finally:
+        torch._dynamo.reset()
+
+
 def ranks_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     join_env(rank, world, port)

@@ -30,6 +30,7 @@ class EvalConfig:
     stride: int = 64                   # sliding-window stride; 0 = non-overlapping windows of `context`
     batch_seqs: int = 16               # windows per forward pass
     pre_quant: bool = True             # also score the unquantized (EMA) model, to report the quantization gap
+    compile: bool = False              # torch.compile the scoring and TTT passes' model calls (scores move by rounding)
     # Score-first test-time training of the shipped artifact, scored beside the plain score (training/ttt.py)
     ttt: str = "none"                  # none | chunk_sgd: SGD on each chunk once scored | doc_lora (ttt_lora.py)
     ttt_chunk_tokens: int = 32768      # targets per chunk; a multiple of eval.context trains on all of them

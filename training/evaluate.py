@@ -20,6 +20,15 @@ import torch.distributed as dist
 from data.tokenizer import ByteLUT
 
 PROGRESS_EVERY_S = 30.0  # evaluate_bpb's progress lines
+# torch.compile's backend for eval.compile (a module constant, not a config key: tests set a CPU backend here)
+COMPILE_BACKEND = "inductor"
+
+
+def compiled(fn: Callable, on: bool, *, dynamic: bool) -> Callable:
+    """fn through torch.compile when `on` (eval.compile), else fn itself. Dynamo keeps its graphs with fn's code and
+    takes the parameters as graph inputs: every wrapper of it, and every model of the same shapes, reuses them, and
+    weights changed in place (test-time training, the EMA swap) are what a graph reads."""
+    return torch.compile(fn, backend=COMPILE_BACKEND, dynamic=dynamic) if on else fn
 
 
 @dataclass(frozen=True)
@@ -123,19 +132,27 @@ def batch_windows(windows: list[Window], batch_seqs: int) -> list[list[Window]]:
     return [ws[i:i + batch_seqs] for ws in groups.values() for i in range(0, len(ws), batch_seqs)]
 
 
-def score_batch(model: torch.nn.Module, batch: list[Window], all_tokens: torch.Tensor, all_bytes: torch.Tensor,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(target index, NLL in nats as float64, bytes) of every target the windows of `batch` (of one length) score.
-    all_tokens: int64 [n]; all_bytes: the bytes of target j at index j-1."""
-    offsets = torch.arange(batch[0].length + 1)
-    starts = torch.tensor([w.start for w in batch])
-    seqs = all_tokens[starts[:, None] + offsets]
-    x, y = seqs[:, :-1].to(device, non_blocking=True), seqs[:, 1:].to(device, non_blocking=True)
-    score_from = torch.tensor([w.score_from for w in batch], device=device)
-    mask = offsets[:-1].to(device)[None, :] >= score_from[:, None]
-    byte_counts = all_bytes[starts[:, None] + offsets[:-1]].to(device, non_blocking=True)
-    targets = (starts[:, None] + offsets[1:]).to(device, non_blocking=True)
-    nll = model.token_nll(x, y).double()
+def score_batch(token_nll: Callable, batch: list[Window], all_tokens: torch.Tensor, all_bytes: torch.Tensor,
+                device: torch.device, shape: tuple[int, int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(target index, NLL in nats as float64, bytes) of every target the windows of `batch` (of one length) score,
+    token_nll(x, y) giving the NLL [rows, T]. all_tokens: int64 [n]; all_bytes: the bytes of target j at index j-1.
+    shape: (rows, length) to pad the inputs to, so that one compiled graph takes every batch: the padding rows, and
+    the positions past a short window's end, hold token 0 (never a later token; the model is causal) and are not
+    scored."""
+    n, length = len(batch), batch[0].length
+    rows, width = shape or (n, length)
+    offsets = torch.arange(width)
+    starts = torch.tensor([w.start for w in batch] + [0] * (rows - n))
+    real = offsets < torch.tensor([length] * n + [0] * (rows - n))[:, None]  # a padding row has no position
+    index = (starts[:, None] + offsets).clamp(max=len(all_tokens) - 2)  # of the input; its target is the next token
+    x = torch.where(real, all_tokens[index], 0).to(device, non_blocking=True)
+    y = torch.where(real, all_tokens[index + 1], 0).to(device, non_blocking=True)
+    score_from = torch.tensor([w.score_from for w in batch] + [0] * (rows - n))
+    mask = (real & (offsets >= score_from[:, None])).to(device)
+    byte_counts = all_bytes[index].to(device, non_blocking=True)
+    targets = (index + 1).to(device, non_blocking=True)
+    nll = token_nll(x, y).double()
     return targets[mask], nll[mask], byte_counts[mask]
 
 
@@ -171,10 +188,12 @@ def evaluate_bpb(
     world_size: int = 1,
     progress: Callable[[str], None] | None = None,
     before_batch: Callable[[], None] | None = None,
+    compile: bool = False,
 ) -> dict:
     """Score `tokens` (uint16 1-D) with `model.token_nll`; windows are split across ranks. progress: called with a
     line every PROGRESS_EVERY_S seconds of scoring (a CPU scores the full validation set for minutes).
-    before_batch: called before each batch (train.py stops a single rank's pass there on a signal)."""
+    before_batch: called before each batch (train.py stops a single rank's pass there on a signal).
+    compile (eval.compile): token_nll through torch.compile, every batch padded to [batch_seqs, context]: one graph."""
     windows = plan_windows(len(tokens), context, stride)
     mine = windows[rank * len(windows) // world_size:(rank + 1) * len(windows) // world_size]
     all_tokens = torch.from_numpy(tokens.astype(np.int64))
@@ -183,6 +202,8 @@ def evaluate_bpb(
     n_scored = torch.zeros((), dtype=torch.int64, device=device)
     n_bytes = torch.zeros((), dtype=torch.int64, device=device)
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+    token_nll = compiled(model.token_nll, compile, dynamic=False)
+    shape = (batch_seqs, context) if compile else None
     was_training = model.training
     model.eval()
     t0 = last_said = time.perf_counter()
@@ -196,7 +217,7 @@ def evaluate_bpb(
                      f"{elapsed * (len(mine) - done) / done:.0f} s left")
         done += len(batch)
         with amp:
-            _, nll, byte_counts = score_batch(model, batch, all_tokens, all_bytes, device)
+            _, nll, byte_counts = score_batch(token_nll, batch, all_tokens, all_bytes, device, shape)
         nll_sum += nll.sum()
         n_scored += nll.numel()
         n_bytes += byte_counts.sum()

@@ -153,7 +153,8 @@ def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
     result = evaluate_bpb(model, val_tokens, lut, context=eval_cfg.context, stride=eval_cfg.stride,
                           batch_seqs=eval_cfg.batch_seqs, device=device, autocast_dtype=autocast_dtype,
-                          rank=rank, world_size=world_size, progress=progress, before_batch=before_batch)
+                          rank=rank, world_size=world_size, progress=progress, before_batch=before_batch,
+                          compile=eval_cfg.compile)
     if eval_cfg.ttt != "none":
         t0 = time.perf_counter()  # the pass ends in an all-reduce and a host read: the GPU has finished by then
         ttt = TTT_PASSES[eval_cfg.ttt](model, val_tokens, lut, eval_cfg, device=device, autocast_dtype=autocast_dtype,

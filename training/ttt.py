@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from data.tokenizer import ByteLUT
 from training.eval_config import EvalConfig
-from training.evaluate import PROGRESS_EVERY_S, Window, batch_windows, bpb_totals, plan_windows, score_batch, \
-    target_bytes
+from training.evaluate import PROGRESS_EVERY_S, Window, batch_windows, bpb_totals, compiled, plan_windows, \
+    score_batch, target_bytes
 
 GRAD_CLIP = 1.0  # the records' global gradient-norm clip for TTT steps
 # What a TTT pass adds to a score's result, beside the plain sliding score's val_loss and val_bpb.
@@ -70,9 +70,12 @@ def sum_gradients(params: list[torch.nn.Parameter], world_size: int) -> None:
 
 def train_on_chunk(model: torch.nn.Module, optimizer: torch.optim.Optimizer, all_tokens: torch.Tensor,
                    starts: list[int], *, seq_len: int, epochs: int, batch_seqs: int, device: torch.device, amp,
-                   rank: int, world_size: int, before_batch: Callable[[], None] | None) -> None:
+                   rank: int, world_size: int, before_batch: Callable[[], None] | None, compile: bool) -> None:
     """`epochs` epochs over the sequences of seq_len tokens at `starts`, batch_seqs of them per step. Each rank takes
-    its share of a step's sequences and the gradients are summed, so every rank steps to the same weights."""
+    its share of a step's sequences and the gradients are summed, so every rank steps to the same weights.
+    compile (eval.compile): the loss through torch.compile, with static shapes: a rank's share of a full step and of
+    a chunk's last, smaller one are the only row counts, so one or two graphs."""
+    loss_fn = compiled(model, compile, dynamic=False)
     params = [p for p in model.parameters() if p.requires_grad]
     offsets = torch.arange(seq_len + 1)
     model.train()
@@ -86,7 +89,7 @@ def train_on_chunk(model: torch.nn.Module, optimizer: torch.optim.Optimizer, all
             if mine:
                 seqs = all_tokens[torch.tensor(mine)[:, None] + offsets].to(device, non_blocking=True)
                 with amp:
-                    loss = model(seqs[:, :-1], seqs[:, 1:])
+                    loss = loss_fn(seqs[:, :-1], seqs[:, 1:])
                 # this rank's mean over its sequences, weighted so that the ranks' sum is the step's mean
                 (loss * (len(mine) / len(step))).backward()
             for p in params:  # a rank without a sequence (or a parameter without a gradient) adds zeros
@@ -112,6 +115,8 @@ def ttt_scores(model: torch.nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Ev
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.ttt_lr,
                                 momentum=cfg.ttt_momentum)
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+    token_nll = compiled(model.token_nll, cfg.compile, dynamic=False)  # the plain score's graph (evaluate_bpb)
+    shape = (cfg.batch_seqs, cfg.context) if cfg.compile else None
     scored_through = 0  # every target up to this one is scored (by some rank)
     t0 = last_said = time.perf_counter()
     model.eval()
@@ -127,7 +132,7 @@ def ttt_scores(model: torch.nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Ev
                 if before_batch is not None:
                     before_batch()
                 with amp:
-                    scored.append(score_batch(model, batch, all_tokens, all_bytes, device))
+                    scored.append(score_batch(token_nll, batch, all_tokens, all_bytes, device, shape))
         yield from scored
         scored_through = max([scored_through] + [w.start + w.length for w in chunk])
         if c == len(chunks) - 1:
@@ -140,7 +145,7 @@ def ttt_scores(model: torch.nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Ev
             group["lr"] = cosine_lr(cfg.ttt_lr, c, len(chunks))
         train_on_chunk(model, optimizer, all_tokens, starts, seq_len=cfg.context, epochs=cfg.ttt_epochs,
                        batch_seqs=cfg.ttt_batch_seqs, device=device, amp=amp, rank=rank, world_size=world_size,
-                       before_batch=before_batch)
+                       before_batch=before_batch, compile=cfg.compile)
 
 
 def evaluate_bpb_ttt(model: torch.nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: EvalConfig, *,

@@ -59,7 +59,7 @@ from data.tokenizer import ByteLUT
 from model.features import BOS_ID
 from model.layers import MLP, Attention
 from training.eval_config import EvalConfig
-from training.evaluate import PROGRESS_EVERY_S, bpb_totals, target_bytes
+from training.evaluate import PROGRESS_EVERY_S, bpb_totals, compiled, target_bytes
 from training.ttt import cosine_lr, train_on_chunk, training_starts
 
 ADAM_BETAS, ADAM_EPS = (0.0, 0.999), 1e-10  # the records' TTT_BETA1, TTT_BETA2 and eps [1]
@@ -167,7 +167,7 @@ def adapted(model: nn.Module, adapters: Adapters):
 def adapted_nll(model: nn.Module, head: LoRA, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Per-token NLL in nats [docs, T] (fp32): GPT.token_nll with `head`'s output added to the logits before the
     softcap (the other adapters act through their hooks). One call per chunk, of one of a few shapes: the function
-    torch.compile would wrap."""
+    eval.compile wraps."""
     h = model.final_norm(model.hidden(x))
     logits = (F.linear(h, model.embed.weight.to(h.dtype)) + head(h)).float()
     cap = model.cfg.logit_softcap
@@ -176,11 +176,12 @@ def adapted_nll(model: nn.Module, head: LoRA, x: torch.Tensor, y: torch.Tensor) 
 
 
 def score_documents(model: nn.Module, adapters: Adapters, batch: list[tuple[int, int]], all_tokens: torch.Tensor,
-                    all_bytes: torch.Tensor, cfg: EvalConfig, *, amp, before_batch: Callable[[], None] | None
-                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+                    all_bytes: torch.Tensor, cfg: EvalConfig, *, amp, before_batch: Callable[[], None] | None,
+                    nll_fn: Callable) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Score the documents of `batch` (start, number of targets; padded to cfg.ttt_lora_docs rows) chunk by chunk,
-    each chunk before the adapter step that trains on it. Yields (target index, NLL in nats as float64, bytes,
-    scored) [docs, T] per chunk, `scored` marking the targets the chunk scores. Tensors live on all_tokens' device."""
+    each chunk before the adapter step that trains on it, with nll_fn (adapted_nll, or its compiled wrapper). Yields
+    (target index, NLL in nats as float64, bytes, scored) [docs, T] per chunk, `scored` marking the targets the
+    chunk scores. Tensors live on all_tokens' device."""
     device, chunk_len, window = all_tokens.device, cfg.ttt_lora_chunk, cfg.context
     rows = batch + [(0, 0)] * (cfg.ttt_lora_docs - len(batch))  # a padding row has no target
     starts, n_targets = torch.tensor(rows, dtype=torch.int64).T
@@ -206,7 +207,7 @@ def score_documents(model: nn.Module, adapters: Adapters, batch: list[tuple[int,
         first, stop = trained_targets(c, n_targets, chunk_len)
         training = bool((stop > first).any())
         with torch.set_grad_enabled(training), amp:
-            nll = adapted_nll(model, adapters.head, x, y)
+            nll = nll_fn(model, adapters.head, x, y)
         yield inputs + 1, nll.detach().double(), all_bytes[inputs], scored
         scored_to = torch.maximum(scored_to, n_targets.clamp(max=(c + 1) * chunk_len))
         if not training:
@@ -238,7 +239,8 @@ def train_on_scored(model: nn.Module, all_tokens: torch.Tensor, through: int, sc
             group["lr"] = cosine_lr(cfg.ttt_phase_lr, c, n_chunks)
         train_on_chunk(model, optimizer, all_tokens, training_starts(c, through, cfg.ttt_chunk_tokens, cfg.context),
                        seq_len=cfg.context, epochs=cfg.ttt_phase_epochs, batch_seqs=cfg.ttt_batch_seqs,
-                       device=device, amp=amp, rank=rank, world_size=world_size, before_batch=before_batch)
+                       device=device, amp=amp, rank=rank, world_size=world_size, before_batch=before_batch,
+                       compile=cfg.compile)
 
 
 def doc_lora_scores(model: nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: EvalConfig, *, device: torch.device,
@@ -257,6 +259,9 @@ def doc_lora_scores(model: nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Eva
     was_training = model.training
     model.eval()  # train_on_chunk leaves it so after each phase too
     adapters = Adapters(model, cfg.ttt_lora_rank, cfg.ttt_lora_docs, device)
+    # eval.compile: the ~context/ttt_lora_chunk window lengths share one graph with the sequence length symbolic
+    # (two: with and without the adapters' gradient, at a batch's last chunk)
+    nll_fn = compiled(adapted_nll, cfg.compile, dynamic=True)
     plan = segments(len(docs), cfg.ttt_phase_docs, cfg.ttt_phases)
     batches = [segment_batches(docs, segment, cfg.ttt_lora_docs)[rank::world_size] for segment in plan]
     mine, done, scored_through = sum(len(b) for bs in batches for b in bs), 0, 0
@@ -268,7 +273,7 @@ def doc_lora_scores(model: nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Eva
             with adapted(model, adapters):
                 for batch in batches[k]:
                     yield from score_documents(model, adapters, [docs[d] for d in batch], all_tokens, all_bytes, cfg,
-                                               amp=amp, before_batch=before_batch)
+                                               amp=amp, before_batch=before_batch, nll_fn=nll_fn)
                     done += len(batch)
                     if progress is not None and time.perf_counter() - last_said >= PROGRESS_EVERY_S:
                         last_said, elapsed = time.perf_counter(), time.perf_counter() - t0
