@@ -358,12 +358,14 @@ def test_a_second_signal_is_not_deferred(tmp_path, capfd):
     before = signal.getsignal(signal.SIGINT)
     ck.install_signal_handlers()
     try:
-        os.kill(os.getpid(), signal.SIGINT)
+        # raise_signal signals this thread (the main one, where Python runs handlers) and runs the handler before it
+        # returns. os.kill signals the process: with other threads alive (earlier tests' pools) the kernel may hand the
+        # signal to one of them, and a busy machine can leave it pending past any fixed wait.
+        signal.raise_signal(signal.SIGINT)
         assert ck.stop_requested
         assert "stop requested: the run checkpoints at its next step" in capfd.readouterr().err  # said at once
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)  # the handler runs at the next bytecode boundary of the main thread
+            signal.raise_signal(signal.SIGINT)
         assert signal.getsignal(signal.SIGINT) is before
     finally:
         ck.restore_signal_handlers()

@@ -85,11 +85,20 @@ def join_env(rank: int, world: int, port: int) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+HUNG_S = 900  # ranks that both still run this long after the spawn wait for each other (no test's pair runs so long)
+
+
 def join_or_fail(ranks, seconds: float, message: str) -> None:
-    """Wait for spawned ranks; where one waits in a collective the other left, fail the test instead of hanging."""
-    deadline = time.time() + seconds
+    """Wait for spawned ranks; where one waits in a collective the other left, fail the test instead of hanging.
+    `seconds` counts from the first rank's exit, not from the spawn: a rank still running that long after its peer
+    left is waiting for it, while on a loaded machine ranks that are merely slow take longer than any fixed time from
+    the spawn."""
+    start, first_exit = time.time(), None
     while not ranks.join(timeout=1):
-        if time.time() > deadline:
+        now = time.time()
+        if first_exit is None and any(proc.exitcode is not None for proc in ranks.processes):
+            first_exit = now
+        if now - start > HUNG_S or (first_exit is not None and now - first_exit > seconds):
             for proc in ranks.processes:
                 proc.kill()
             pytest.fail(message)
