@@ -253,6 +253,7 @@ def test_the_sp8192_config_is_h100_short_with_the_measured_overrides():
     sp8192, short = (to_dict(load_config(REPO / f"configs/{name}.toml")) for name in ("h100_sp8192", "h100_short"))
     differ = {(s, k): sp8192[s][k] for s in sp8192 for k in sp8192[s] if sp8192[s][k] != short[s][k]}
     assert differ == {("model", "vocab_size"): 8192, ("model", "mlp_mult"): 4.0, ("model", "qk_gain_init"): 5.25,
+                      ("model", "mhc_start"): 8, ("model", "mhc_init"): "lanes",
                       ("data", "train_files"): "data/datasets/fineweb10B_sp8192/fineweb_train_*.bin",
                       ("data", "val_files"): "data/datasets/fineweb10B_sp8192/fineweb_val_*.bin",
                       ("data", "tokenizer"): "data/tokenizers/fineweb_8192_bpe.model",
