@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from training.config import Config, ConfigError, flat_config, load_config, to_dict
+from training.export import artifact_budget
 from training.records import (RECORD_MARGIN_NATS, ComparisonError, Scored, SeedResult, build_submission,
                               check_one_stack, check_seeds_alike, final_problem, mean_std, read_baseline,
                               significance, write_json_atomic)
@@ -93,8 +94,9 @@ def run_seed(run: SeedRun, signals: list[int] | None = None) -> SeedRun:
 # Where a run's files go and how often it reports: two runs of one config may differ here (another
 # machine's folders, a resumed run) and still compute the same thing.
 # Data paths too: the same shards sit at other paths on other machines (what the runs scored is compared instead:
-# the validation tokens and bytes of every seed).
-RUN_ONLY_KEYS = ("train.resume", "train.log_dir", "train.out_dir", "train.log_every", "train.checkpoint_every",
+# the validation tokens and bytes of every seed). And the run id: it names the log and the artifact, so a log run
+# under another name counts once it is copied to this command's name for its seed.
+RUN_ONLY_KEYS = ("train.run_id", "train.resume", "train.log_dir", "train.out_dir", "train.log_every", "train.checkpoint_every",
                  "train.checkpoint_keep", "train.wandb", "train.wandb_project", "train.device",
                  "data.train_files", "data.val_files", "data.tokenizer")
 
@@ -111,6 +113,19 @@ def config_differences(logged: dict, expected: dict) -> list[str]:
             and not (key not in a and key in default and b.get(key) == default[key])]
 
 
+def budget_difference(had: int, cfg: Config) -> list[str]:
+    """quant.budget_bytes=0 derives the artifact's budget from the code a checkout counts, so the key says neither
+    what a run had nor what this command would give: the budgets themselves are compared (the run's from its final
+    record). A run whose budget was derived counts for a command that pins the same number, and a derived budget
+    that moved with the code does not count."""
+    would = cfg.quant.budget_bytes or artifact_budget(cfg)[0]
+    if had == would:
+        return []
+    how = "pinned" if cfg.quant.budget_bytes else "quant.cap_bytes less this checkout's counted code and the margin"
+    return [f"quant.budget_bytes: the run's artifact budget was {had:,} bytes, this command's is {would:,} ({how}); "
+            f"hint: quant.budget_bytes={had} after -- compares at the run's budget"]
+
+
 def reuse_seed(run: SeedRun, log: RunLogData, config: str, overrides: list[str], world_size: int,
                code: str | None) -> SeedRun:
     """Count a finished run of this seed from its log, after checking that it is a run of this command's
@@ -123,9 +138,12 @@ def reuse_seed(run: SeedRun, log: RunLogData, config: str, overrides: list[str],
                          "seeds run now, it would mix two recipes under one submission. hint: move the log away to "
                          "run the seed again, or --allow-other-code to count it anyway (submission.json lists the "
                          "digests)")
-    expected = to_dict(load_config(config, [*overrides, f"train.seed={run.seed}", f"train.run_id={run.run_id}"]))
+    cfg = load_config(config, [*overrides, f"train.seed={run.seed}", f"train.run_id={run.run_id}"])
     # through JSON as train.py logged it (tuples become lists), so equal values compare equal
-    differences = config_differences(log.config, json.loads(json.dumps(expected)))
+    differences = config_differences(log.config, json.loads(json.dumps(to_dict(cfg))))
+    if "budget_bytes" in log.final:  # older logs lack it: their key was compared above
+        differences = [*(d for d in differences if not d.startswith("quant.budget_bytes:")),
+                       *budget_difference(log.final["budget_bytes"], cfg)]
     if differences:
         raise SystemExit(f"reproduce: {path} is a run of another config, so --reuse cannot count it for seed "
                          f"{run.seed}:\n  " + "\n  ".join(differences) + "\nhint: pass the same --config and "

@@ -4,6 +4,7 @@ read back from their logs (--reuse)."""
 import json
 import math
 import random
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -250,6 +251,30 @@ def test_the_kept_layouts_compare_as_reproduce_reported():
     assert rewired["any_improvement"]["t"] == pytest.approx(-0.718, abs=1e-3)
 
 
+SP8192_LAYOUTS = {"plain": "model.n_streams=1 model.mhc_blocks=0 model.mhc_start=0 model.mhc_init=plain",
+                  "lanes": "model.n_streams=1 model.mhc_blocks=0 model.mhc_start=0 model.mhc_init=plain "
+                           "model.lane_start=8",
+                  "mhclanes": ""}  # configs/h100_sp8192.toml's own layout
+
+
+@pytest.mark.parametrize("name, baseline, p_any", [("mhclanes", "lanes", 0.01492), ("mhclanes", "plain", 0.01259),
+                                                   ("lanes", "plain", 0.06097)])
+def test_the_kept_sp8192_layouts_compare_as_the_results_say(name, baseline, p_any, tmp_path, monkeypatch, capsys):
+    """docs/results.md's three seeds of the last-3-block layouts, counted by `reproduce --reuse` from the kept logs:
+    seed 1337 ran under another run id at another commit with a derived budget, seeds 42 and 2025 with that budget
+    pinned, so the logs count only through the budget the runs had."""
+    no_run(monkeypatch)
+    logs = REPO / "docs" / "run_logs"
+    argv = ["--config", str(REPO / "configs/h100_sp8192.toml"), "--seeds", "1337,42,2025", "--name", f"sp8192-{name}",
+            "--reuse", "--allow-other-code", "--out", str(tmp_path / "sub"),
+            "--baseline", *(str(logs / f"sp8192-{baseline}-s{s}.txt") for s in (1337, 42, 2025)),
+            "--", f"train.log_dir={logs}", "quant.budget_bytes=15680892", *SP8192_LAYOUTS[name].split()]
+    assert reproduce.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("ok (from its log)") == 3 and "not a record" in out
+    assert re.search(rf"without the margin \(any improvement\): t [0-9.]+, p {p_any}\b", out), out
+
+
 def test_seed_run_problems():
     ok = SeedRun(1, "r", [], returncode=0, final=final(1, 1.9, 15_000_000))
     assert ok.problem() is None
@@ -455,6 +480,37 @@ def test_reuse_refuses_the_log_of_another_config(tiny_seed_runs, demo_dir, tmp_p
     with pytest.raises(SystemExit, match=r"(?s)is a run of another config.*train\.max_steps: log 4, this command 3"):
         reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
                                  overrides=["train.max_steps=3"]))
+
+
+def test_reuse_compares_the_artifact_budget_the_runs_had(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
+    """The logs' runs derived their budget (quant.budget_bytes=0): a command pinning that number counts them, one
+    pinning another does not, and a derived budget that moved (another count of the code) does not either."""
+    no_run(monkeypatch)
+    had = parse_log(tiny_seed_runs.logs[0]).require_final()["budget_bytes"]
+    assert had > 0 and all(parse_log(p).config["quant"]["budget_bytes"] == 0 for p in tiny_seed_runs.logs)
+    assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "pinned", "--reuse",
+                                    overrides=[f"quant.budget_bytes={had}"])) == 0
+    with pytest.raises(SystemExit, match=rf"quant\.budget_bytes: the run's artifact budget was {had:,} bytes, this "
+                                         rf"command's is {had - 1:,} \(pinned\); hint: quant\.budget_bytes={had} after"):
+        reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "other", "--reuse",
+                                 overrides=[f"quant.budget_bytes={had - 1}"]))
+    moved = copied_logs(tiny_seed_runs, tmp_path / "moved",
+                        lambda seed, text: text.replace(f'"budget_bytes": {had},', f'"budget_bytes": {had + 5},'))
+    with pytest.raises(SystemExit, match=rf"the run's artifact budget was {had + 5:,} bytes, this command's is "
+                                         rf"{had:,} \(quant\.cap_bytes less this checkout's counted code"):
+        reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "derived", "--reuse",
+                                 overrides=moved))
+    assert not any((tmp_path / name).exists() for name in ("other", "derived"))
+
+
+def test_reuse_counts_a_log_run_under_another_name(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
+    """A seed run by scripts.ablate (run id <layout>-s<seed>) counts once its log has this command's name."""
+    no_run(monkeypatch)
+    renamed = copied_logs(tiny_seed_runs, tmp_path / "renamed", lambda seed, text: text.replace(
+        f"tiny-run-s{seed}", f"ablation-s{seed}"))
+    assert all("tiny-run" not in p.read_text() for p in (tmp_path / "renamed").iterdir())
+    assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "sub", "--reuse",
+                                    overrides=renamed)) == 0
 
 
 def test_reuse_takes_an_option_newer_than_the_log_only_at_its_default(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
