@@ -267,3 +267,52 @@ def test_the_defaults_load_and_a_method_switch_drops_the_other_methods_recorded_
     switched = recorded_eval(sgd, ttt="doc_lora")
     switched.validate()
     assert switched.ttt_lr == EvalConfig().ttt_lr
+
+
+def kernel_model() -> GPT:
+    """mHC n=2 started as the lanes on the last two of three blocks, through the Triton mHC and MLP kernels: the
+    layout configs/h100_sp8192.toml scores, small."""
+    torch.manual_seed(0)
+    return GPT(ModelConfig(vocab_size=VOCAB, n_layers=3, d_model=64, n_heads=4, n_kv_heads=2, n_streams=2, mhc_start=1,
+                           mhc_blocks=2, mhc_init="lanes", mhc_kernels=True, mlp_kernel=True)).cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (inductor around the Triton kernels)")
+def test_gpu_compiled_scoring_with_the_kernels_scores_as_eager_and_reads_no_later_token():
+    """eval.compile on a GPU, under bf16 autocast as train.py scores: inductor compiles the plain sliding score, the
+    chunk_sgd pass and the doc_lora pass (the sequence length symbolic) around the Triton kernels. Each score is
+    eager's to within bf16 rounding; and under doc_lora, new tokens from target 79 on leave the NLL of every earlier
+    target as it was, up to the difference two passes over the same tokens show (zero where the GPU's kernels are
+    deterministic)."""
+    from training import ttt
+    from training.evaluate import evaluate_bpb
+    cuda, bf16, lut = torch.device("cuda"), torch.bfloat16, simple_lut(VOCAB)
+    tokens = documents()
+    torch._dynamo.reset()
+    try:
+        scores = {}
+        for compile in (False, True):  # the plain score, chunk_sgd, doc_lora
+            chunk, lora = replace(SMALL, ttt="chunk_sgd", compile=compile), replace(SMALL, compile=compile)
+            scores[compile] = [
+                evaluate_bpb(kernel_model(), tokens, lut, context=32, stride=8, batch_seqs=4, device=cuda,
+                             autocast_dtype=bf16, compile=compile)["val_bpb"],
+                ttt.evaluate_bpb_ttt(kernel_model(), tokens, lut, chunk, device=cuda, autocast_dtype=bf16)["val_bpb"],
+                ttt_lora.evaluate_bpb_doc_lora(kernel_model(), tokens, lut, lora, device=cuda,
+                                               autocast_dtype=bf16)["val_bpb"]]
+        assert scores[True] == pytest.approx(scores[False], rel=1e-2), scores
+
+        def nll(tokens):
+            out = torch.full((len(tokens) - 1,), float("nan"), dtype=torch.float64)
+            for targets, values, _, scored in ttt_lora.doc_lora_scores(
+                    kernel_model(), tokens, lut, replace(SMALL, compile=True), device=cuda, autocast_dtype=bf16):
+                out[targets[scored].cpu() - 1] = values[scored].double().cpu()
+            return out
+        changed = tokens.copy()
+        changed[79:] = np.random.default_rng(1).integers(4, VOCAB, len(tokens) - 79)
+        first, again, other = nll(tokens), nll(tokens), nll(changed)
+        noise = (again - first).abs().max().item()
+        assert (other[:78] - first[:78]).abs().max().item() <= noise, noise
+        assert not torch.equal(other[78:], first[78:])
+    finally:
+        torch._dynamo.reset()
