@@ -39,6 +39,7 @@ from training.records import (RECORD_MARGIN_NATS, ComparisonError, Scored, SeedR
 from training.run_log import log_path
 from training.log_reader import LogFormatError, RunLogData, output_problem, parse_lines, parse_log, stream_run
 from training.sources import code_digest
+from training.variants import parse_seeds
 
 REPO = Path(__file__).resolve().parents[1]
 SET_BY_SCRIPT = ("train.seed=", "train.run_id=")
@@ -204,15 +205,6 @@ def print_summary(runs: list[SeedRun], sig: dict | None) -> None:
               + ("RECORD" if sig["is_record"] else "not a record"))
         gain = sig["any_improvement"]
         print(f"without the margin (any improvement): t {gain['t']:.3f}, p {gain['p_value']:.4g}")
-
-
-def parse_seeds(text: str) -> list[int]:
-    if not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", text):  # train.seed must be >= 0
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers >= 0, e.g. 1337,42,2025")
-    seeds = [int(s) for s in text.split(",")]
-    if len(set(seeds)) != len(seeds):
-        raise argparse.ArgumentTypeError(f"{text!r}: each seed once (a repeated seed is not an independent run)")
-    return seeds
 
 
 def override_hint(arg: str, otherwise: str = "") -> str:

@@ -125,3 +125,79 @@ def test_a_variant_is_judged_as_the_record_rule_judges_a_run(final, status):
     v = ablate.Variant("v", [])
     v.returncode, v.final = 0, final
     assert v.problem() == status or (status and status in v.problem())
+
+
+def fake_finals(scores: dict[str, list[float]], failed: tuple[str, ...] = ()):
+    """A run_variant that gives run NAME-sSEED the next of scores[NAME] as its val_bpb (exit 1 for the labels in
+    `failed`), and records the order the runs were started in."""
+    started, lock = [], __import__("threading").Lock()
+
+    def fake_run(v, command, env, print_lock):
+        with lock:
+            started.append((v.label, command[-2:]))
+            index = sum(label.startswith(f"{v.name}-s") for label, _ in started) - 1
+        if v.label in failed:
+            v.returncode = 1
+            return
+        bpb = scores[v.name][index]
+        v.returncode, v.final = 0, {"fits_cap": True, "steps": 100, "train_time_s": 10.0, "tokens_seen": 1000,
+                                    "val_bpb": bpb, "val_loss": bpb * 2.5, "pre_quant_val_bpb": bpb - 0.003,
+                                    "total_bytes": 123}
+    return fake_run, started
+
+
+def test_seeds_run_every_variant_per_seed_and_test_each_against_the_baseline(monkeypatch, tmp_path, capsys):
+    from training.records import welch_one_sided
+    scores = {"base": [1.300, 1.302, 1.301], "better": [1.295, 1.296, 1.294], "same": [1.301, 1.300, 1.303]}
+    fake_run, started = fake_finals(scores)
+    monkeypatch.setattr(ablate, "run_variant", fake_run)
+    out = tmp_path / "a.json"
+    assert ablate.main(["--config", CONFIG, "--gpus", "none", "--parallel", "1", "--prefix", "p", "--seeds", "1,2,3",
+                        "--baseline", "base", "--out", str(out), "--variant", "base=", "--variant",
+                        "better=model.n_layers=3", "--variant", "same=model.n_layers=4", "--",
+                        f"train.log_dir={tmp_path}"]) == 0
+    # seed by seed, each run with its seed last and its own run id
+    assert [label for label, _ in started] == [f"{n}-s{s}" for s in (1, 2, 3) for n in ("base", "better", "same")]
+    assert all(cmd == [f"train.seed={label[-1]}", f"train.run_id=p-{label}"] for label, cmd in started)
+    result = json.loads(out.read_text())
+    assert result["seeds"] == [1, 2, 3] and [r["run_id"] for r in result["runs"]][:2] == ["p-base-s1", "p-better-s1"]
+    summary = {s["variant"]: s for s in result["variants"]}
+    assert "baseline" not in summary["base"] and summary["base"]["seeds_ok"] == 3
+    assert summary["better"]["val_bpb_mean"] == pytest.approx(1.295)
+    assert summary["better"]["delta_vs_baseline"] == pytest.approx(-0.006)
+    assert summary["better"]["welch_p"] == welch_one_sided(scores["base"], scores["better"])["p_value"] < 0.01
+    assert summary["same"]["welch_p"] > 0.3
+    printed = capsys.readouterr().out
+    assert "| better s2 | ok |" in printed
+    assert f"| better | 3/3 | 100 | 100.0 | 1.29200 | 1.29500 ± 0.00100 | -0.00600 | " \
+           f"{summary['better']['welch_p']:.4g} |" in printed
+
+
+def test_a_failed_seed_leaves_its_variant_untested(monkeypatch, tmp_path):
+    fake_run, _ = fake_finals({"base": [1.30, 1.31], "other": [1.29, 1.28]}, failed=("other-s2",))
+    monkeypatch.setattr(ablate, "run_variant", fake_run)
+    out = tmp_path / "a.json"
+    assert ablate.main(["--config", CONFIG, "--gpus", "none", "--seeds", "1,2", "--baseline", "base", "--out", str(out),
+                        "--variant", "base=", "--variant", "other=model.n_layers=3", "--",
+                        f"train.log_dir={tmp_path}"]) == 1
+    other = json.loads(out.read_text())["variants"][1]
+    assert other["seeds_ok"] == 1 and other["test"] == "not compared: a seed failed" and "welch_p" not in other
+
+
+def test_seed_arguments_are_checked_before_anything_runs(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(ablate, "run_all", lambda *a: pytest.fail("nothing may run"))
+    base = ["--config", CONFIG, "--gpus", "none", "--variant", "a=", "--variant", "b=model.n_layers=3"]
+    for extra, message in ((["--seeds", "1,1"], "each seed once"), (["--seeds", "1,x"], "expected comma-separated"),
+                           (["--baseline", "a"], "--baseline a: a test needs --seeds"),
+                           (["--seeds", "1,2", "--baseline", "c"], "--baseline c: no --variant of that name")):
+        with pytest.raises(SystemExit):
+            ablate.main([*base, *extra])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="variant b: train.seed is set by --seeds"):
+        ablate.main(["--config", CONFIG, "--gpus", "none", "--seeds", "1,2", "--variant", "a=",
+                     "--variant", "b=train.seed=5", "--", f"train.log_dir={tmp_path}"])
+    with pytest.raises(SystemExit, match="the common overrides: train.seed is set by --seeds"):
+        ablate.main([*base, "--seeds", "1,2", "--", "train.seed=5", f"train.log_dir={tmp_path}"])
+    (tmp_path / "ablate-b-s2.txt").write_text("run ablate-b-s2 ...\n")
+    with pytest.raises(SystemExit, match=r"variant b: .*ablate-b-s2\.txt already exists"):
+        ablate.main([*base, "--seeds", "1,2", "--", f"train.log_dir={tmp_path}"])

@@ -1,7 +1,9 @@
-"""Named sets of config overrides on a tool's command line: `--variant NAME="section.key=value ..."`, and the
-overrides after `--` that every variant shares (scripts.ablate, scripts.bench_quant)."""
+"""Named sets of config overrides on a tool's command line: `--variant NAME="section.key=value ..."`, the
+overrides after `--` that every variant shares (scripts.ablate, scripts.bench_quant), and `--seeds 1337,42,2025`
+(scripts.ablate, scripts.reproduce)."""
 from __future__ import annotations
 
+import argparse
 import re
 import shlex
 from typing import NamedTuple
@@ -32,3 +34,12 @@ def split_common(argv: list[str]) -> tuple[list[str], list[str]]:
         return argv, []
     i = argv.index("--")
     return argv[:i], argv[i + 1:]
+
+
+def parse_seeds(text: str) -> list[int]:
+    if not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", text):  # train.seed must be >= 0
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers >= 0, e.g. 1337,42,2025")
+    seeds = [int(s) for s in text.split(",")]
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"{text!r}: each seed once (a repeated seed is not an independent run)")
+    return seeds
