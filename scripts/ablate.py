@@ -1,11 +1,12 @@
-r"""Run named variants of one config side by side, one per GPU, same seed, and compare them.
+r"""Run named variants of one config side by side, one per GPU, same seed (or each over several), and compare them.
 
     python -m scripts.ablate --config configs/h100_short.toml --gpus 0,1 --out logs/ablate.json \
         --variant plain="model.n_streams=1 model.mhc_blocks=0" --variant n2-all="model.mhc_blocks=0" \
         -- data.train_files='runs/mix/fineweb_train_*.bin' ...
 
-With --seeds 1337,42,2025 every variant runs once per seed (run ids PREFIX-NAME-sSEED), a seed's variants side by
-side before the next seed's, and a second table gives each variant's mean and spread over the seeds; with
+With --seeds 1337,42,2025 every variant runs once per seed (run ids PREFIX-NAME-sSEED), the runs queued seed by
+seed with the variants' order rotated each seed (so that no variant keeps the first, or the same, GPU), and a second
+table gives each variant's mean and spread over the seeds; with
 --baseline NAME, also each other variant's difference from NAME and the one-sided Welch p-value that it is lower
 (what scripts.reproduce tests for a submission, without the record rule's margin).
 
@@ -55,7 +56,6 @@ class Variant:
             return "no final JSON line"
         return final_problem(self.final)  # no artifact, over a cap, calibration past the budget, a NaN score
 
-
     @property
     def label(self) -> str:
         return self.name if self.seed is None else f"{self.name}-s{self.seed}"
@@ -66,14 +66,17 @@ def run_id(prefix: str, label: str) -> str:
 
 
 def with_seeds(variants: list[Variant], seeds: list[int] | None, common: list[str]) -> list[Variant]:
-    """Each variant once per seed, seed by seed: the runs of a seed start together, so a seed's variants share the
-    host alike, and a stopped ablation leaves whole seeds."""
+    """Each variant once per seed, queued seed by seed (with as many slots as variants a seed's runs start together,
+    and a stopped ablation leaves whole seeds); the order rotates by one each seed, so that the variants take turns
+    on the slots rather than each keeping one GPU, whose speed would otherwise count in its score."""
     if not seeds:
         return variants
     for where, overrides in [("the common overrides", common), *((f"variant {v.name}", v.overrides) for v in variants)]:
         if any(o.startswith("train.seed=") for o in overrides):
             raise SystemExit(f"{where}: train.seed is set by --seeds (hint: drop it there, or drop --seeds)")
-    return [Variant(v.name, [*v.overrides, f"train.seed={s}"], s) for s in seeds for v in variants]
+    k = len(variants)
+    return [Variant(v.name, [*v.overrides, f"train.seed={s}"], s)
+            for i, s in enumerate(seeds) for v in variants[i % k:] + variants[:i % k]]
 
 
 def check_configs(config: str, common: list[str], variants: list[Variant], prefix: str) -> None:
@@ -179,7 +182,7 @@ def seed_summary(rows: list[dict], baseline: str | None) -> list[dict]:
             s["baseline"] = baseline
             base, mine = [r["val_bpb"] for r in ok[baseline]], [r["val_bpb"] for r in ok[n]]
             if len(ok[n]) < total[n] or len(ok[baseline]) < total[baseline]:
-                s["test"] = "not compared: a seed failed"
+                s["test"] = f"not compared: a seed of {n if len(ok[n]) < total[n] else baseline} failed"
             else:
                 try:
                     s["delta_vs_baseline"] = mean_std(mine)[0] - mean_std(base)[0]
@@ -213,15 +216,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--gpus", default=None, help="comma-separated GPU indices, one run each at a time, or 'none' "
                    "for CPU runs (default: every visible GPU, or 'none' without one)")
     p.add_argument("--parallel", type=int, default=1, help="with --gpus none: CPU runs at a time")
-    p.add_argument("--prefix", default="ablate", help="run ids are PREFIX-NAME")
+    p.add_argument("--prefix", default="ablate", help="run ids are PREFIX-NAME (PREFIX-NAME-sSEED with --seeds)")
     p.add_argument("--out", default=None, help="write the summary as JSON here (atomically)")
     p.add_argument("--seeds", type=parse_seeds, default=None,
                    help="comma-separated seeds: every variant runs once per seed, with a table over the seeds")
     p.add_argument("--baseline", default=None, metavar="NAME",
                    help="with --seeds: the variant the others are tested against (one-sided Welch on val_bpb)")
     args = p.parse_args(argv)
-    if args.baseline is not None and not args.seeds:
-        p.error(f"--baseline {args.baseline}: a test needs --seeds (at least 2)")
+    if args.baseline is not None and len(args.seeds or ()) < 2:
+        p.error(f"--baseline {args.baseline}: a test needs --seeds with at least 2 seeds")
     if args.baseline is not None and args.baseline not in [parse_variant(t).name for t in args.variant]:
         p.error(f"--baseline {args.baseline}: no --variant of that name")
     if args.parallel < 1:

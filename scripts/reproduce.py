@@ -14,8 +14,9 @@ validation tokens, a repeated or failed baseline run); the logs stay, and --reus
 
 A seed whose log (<train.log_dir>/<run_id>.txt) already exists is refused up front: train.py appends to
 its log, so a second run would mix two trajectories in one file. With --reuse a finished run there is
-read back instead of run again, after checking that the log's config is this command's (folders and
-report intervals aside), that it ran on as many processes, and that it succeeded. An unfinished one is
+read back instead of run again, after checking that the log's config is this command's (folders, run id and
+report intervals aside; the artifact budget as the run had it), that it ran on as many processes, and that it
+succeeded. An unfinished one is
 continued from its checkpoint when the overrides hold train.resume=latest. So seeds run on several
 machines, or before an interruption, come together: copy their logs into the log folder and run the
 same command with --reuse.
@@ -97,8 +98,8 @@ def run_seed(run: SeedRun, signals: list[int] | None = None) -> SeedRun:
 # Data paths too: the same shards sit at other paths on other machines (what the runs scored is compared instead:
 # the validation tokens and bytes of every seed). And the run id: it names the log and the artifact, so a log run
 # under another name counts once it is copied to this command's name for its seed.
-RUN_ONLY_KEYS = ("train.run_id", "train.resume", "train.log_dir", "train.out_dir", "train.log_every", "train.checkpoint_every",
-                 "train.checkpoint_keep", "train.wandb", "train.wandb_project", "train.device",
+RUN_ONLY_KEYS = ("train.run_id", "train.resume", "train.log_dir", "train.out_dir", "train.log_every",
+                 "train.checkpoint_every", "train.checkpoint_keep", "train.wandb", "train.wandb_project", "train.device",
                  "data.train_files", "data.val_files", "data.tokenizer")
 
 

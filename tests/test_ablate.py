@@ -156,8 +156,9 @@ def test_seeds_run_every_variant_per_seed_and_test_each_against_the_baseline(mon
                         "--baseline", "base", "--out", str(out), "--variant", "base=", "--variant",
                         "better=model.n_layers=3", "--variant", "same=model.n_layers=4", "--",
                         f"train.log_dir={tmp_path}"]) == 0
-    # seed by seed, each run with its seed last and its own run id
-    assert [label for label, _ in started] == [f"{n}-s{s}" for s in (1, 2, 3) for n in ("base", "better", "same")]
+    # seed by seed, the variants' order rotated each seed, each run with its seed last and its own run id
+    assert [label for label, _ in started] == ["base-s1", "better-s1", "same-s1", "better-s2", "same-s2", "base-s2",
+                                               "same-s3", "base-s3", "better-s3"]
     assert all(cmd == [f"train.seed={label[-1]}", f"train.run_id=p-{label}"] for label, cmd in started)
     result = json.loads(out.read_text())
     assert result["seeds"] == [1, 2, 3] and [r["run_id"] for r in result["runs"]][:2] == ["p-base-s1", "p-better-s1"]
@@ -181,14 +182,15 @@ def test_a_failed_seed_leaves_its_variant_untested(monkeypatch, tmp_path):
                         "--variant", "base=", "--variant", "other=model.n_layers=3", "--",
                         f"train.log_dir={tmp_path}"]) == 1
     other = json.loads(out.read_text())["variants"][1]
-    assert other["seeds_ok"] == 1 and other["test"] == "not compared: a seed failed" and "welch_p" not in other
+    assert other["seeds_ok"] == 1 and other["test"] == "not compared: a seed of other failed" and "welch_p" not in other
 
 
 def test_seed_arguments_are_checked_before_anything_runs(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(ablate, "run_all", lambda *a: pytest.fail("nothing may run"))
     base = ["--config", CONFIG, "--gpus", "none", "--variant", "a=", "--variant", "b=model.n_layers=3"]
     for extra, message in ((["--seeds", "1,1"], "each seed once"), (["--seeds", "1,x"], "expected comma-separated"),
-                           (["--baseline", "a"], "--baseline a: a test needs --seeds"),
+                           (["--baseline", "a"], "--baseline a: a test needs --seeds with at least 2 seeds"),
+                           (["--seeds", "1", "--baseline", "a"], "a test needs --seeds with at least 2 seeds"),
                            (["--seeds", "1,2", "--baseline", "c"], "--baseline c: no --variant of that name")):
         with pytest.raises(SystemExit):
             ablate.main([*base, *extra])

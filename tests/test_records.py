@@ -225,7 +225,7 @@ def test_the_kept_h100_logs_make_one_submission(name):
 
 
 def test_the_kept_layouts_compare_as_reproduce_reported():
-    """The shipped layout against the plain residual, as `reproduce --baseline` printed on the H100: 0.00052
+    """h100_short's layout against the plain residual, as `reproduce --baseline` printed on the H100: 0.00052
     nats worse in mean val_loss, far from the record rule's 0.005 (Welch t -2.364, p 0.961)."""
     baseline = read_baseline([str(p) for p in kept_gpu_log_paths("n1")], vocab_size=1024)
     candidate = read_baseline([str(p) for p in kept_gpu_log_paths("n2k3")])
@@ -237,7 +237,7 @@ def test_the_kept_layouts_compare_as_reproduce_reported():
     # and no gain at all: the README's t -0.22 (p 0.58) for "any improvement"
     gain = sig["any_improvement"]
     assert gain["t"] == pytest.approx(-0.2217, abs=1e-4) and gain["p_value"] == pytest.approx(0.5823, abs=1e-4)
-    # the runs of the shipped layout with the U-Net skips rewired, as reproduce printed them on the H100
+    # the runs of h100_short's layout with the U-Net skips rewired, as reproduce printed them on the H100
     rewired = significance(read_baseline([str(p) for p in kept_gpu_log_paths("unet17")]), baseline)
     assert rewired["improvement_nats"] == pytest.approx(-0.00165, abs=1e-5) and not rewired["is_record"]
     assert rewired["t"] == pytest.approx(-2.898, abs=1e-3) and rewired["p_value"] == pytest.approx(0.9779, abs=1e-4)

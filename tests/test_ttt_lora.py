@@ -271,10 +271,13 @@ def test_the_defaults_load_and_a_method_switch_drops_the_other_methods_recorded_
 
 def kernel_model() -> GPT:
     """mHC n=2 started as the lanes on the last two of three blocks, through the Triton mHC and MLP kernels: the
-    layout configs/h100_sp8192.toml scores, small."""
+    layout configs/h100_sp8192.toml scores, small; every weight perturbed, so that the zero-init output projections
+    do not hide what the kernels compute."""
+    from test_model import randomize_
     torch.manual_seed(0)
-    return GPT(ModelConfig(vocab_size=VOCAB, n_layers=3, d_model=64, n_heads=4, n_kv_heads=2, n_streams=2, mhc_start=1,
-                           mhc_blocks=2, mhc_init="lanes", mhc_kernels=True, mlp_kernel=True)).cuda()
+    return randomize_(GPT(ModelConfig(vocab_size=VOCAB, n_layers=3, d_model=64, n_heads=4, n_kv_heads=2, n_streams=2,
+                                      mhc_start=1, mhc_blocks=2, mhc_init="lanes", mhc_kernels=True,
+                                      mlp_kernel=True))).cuda()
 
 
 @pytest.mark.gpu
@@ -283,8 +286,8 @@ def test_gpu_compiled_scoring_with_the_kernels_scores_as_eager_and_reads_no_late
     """eval.compile on a GPU, under bf16 autocast as train.py scores: inductor compiles the plain sliding score, the
     chunk_sgd pass and the doc_lora pass (the sequence length symbolic) around the Triton kernels. Each score is
     eager's to within bf16 rounding; and under doc_lora, new tokens from target 79 on leave the NLL of every earlier
-    target as it was, up to the difference two passes over the same tokens show (zero where the GPU's kernels are
-    deterministic)."""
+    target as it was, up to the difference two passes over the same tokens show there (zero where the GPU's kernels
+    are deterministic)."""
     from training import ttt
     from training.evaluate import evaluate_bpb
     cuda, bf16, lut = torch.device("cuda"), torch.bfloat16, simple_lut(VOCAB)
@@ -300,7 +303,8 @@ def test_gpu_compiled_scoring_with_the_kernels_scores_as_eager_and_reads_no_late
                 ttt.evaluate_bpb_ttt(kernel_model(), tokens, lut, chunk, device=cuda, autocast_dtype=bf16)["val_bpb"],
                 ttt_lora.evaluate_bpb_doc_lora(kernel_model(), tokens, lut, lora, device=cuda,
                                                autocast_dtype=bf16)["val_bpb"]]
-        assert scores[True] == pytest.approx(scores[False], rel=1e-2), scores
+        assert scores[True][0] == pytest.approx(scores[False][0], rel=2e-3), scores
+        assert scores[True][1:] == pytest.approx(scores[False][1:], rel=5e-3), scores  # after training steps
 
         def nll(tokens):
             out = torch.full((len(tokens) - 1,), float("nan"), dtype=torch.float64)
@@ -311,8 +315,8 @@ def test_gpu_compiled_scoring_with_the_kernels_scores_as_eager_and_reads_no_late
         changed = tokens.copy()
         changed[79:] = np.random.default_rng(1).integers(4, VOCAB, len(tokens) - 79)
         first, again, other = nll(tokens), nll(tokens), nll(changed)
-        noise = (again - first).abs().max().item()
-        assert (other[:78] - first[:78]).abs().max().item() <= noise, noise
+        noise = (again[:78] - first[:78]).abs().max().item()  # targets scored before any phase
+        assert noise < 1e-3 and (other[:78] - first[:78]).abs().max().item() <= noise, noise
         assert not torch.equal(other[78:], first[78:])
     finally:
         torch._dynamo.reset()
