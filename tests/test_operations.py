@@ -12,6 +12,7 @@ from training.config import ConfigError, load_config
 from training.distributed import DistInfo
 from training.optim import build_optimizers
 from training.run_log import RunLog, maybe_wandb
+from training import trainer
 from training.trainer import DivergenceError, ProgressBar, run_training
 
 
@@ -71,7 +72,6 @@ def test_an_inf_gradient_under_a_finite_loss_never_reaches_a_checkpoint(tmp_path
     """The check before a save looked at the loss only, which is computed before the step's update: an inf gradient
     with a finite loss made NaN weights (clipping scales by 0 x inf), the checkpoint held them, and the older good
     ones were pruned. The weights and EMA are checked too now."""
-    from training import trainer
     cfg = tiny_cfg("optim.ema_decay=0.9")
     torch.manual_seed(0)
     model = GPT(cfg.model)
@@ -97,7 +97,19 @@ def test_an_inf_gradient_under_a_finite_loss_never_reaches_a_checkpoint(tmp_path
                (state[part] if part == "model" else state[part]["shadow"]).values())
 
 
-def test_a_run_stopped_between_log_steps_logs_and_checks_its_last_step(tmp_path):
+class TickingClock:
+    """time.perf_counter for the training loop that advances 0.1 s a reading: the budget ends a run after the same
+    steps on any machine (on a loaded one a first step past half the budget ended the run before the NaN came)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 0.1
+        return self.now
+
+
+def test_a_run_stopped_between_log_steps_logs_and_checks_its_last_step(tmp_path, monkeypatch):
     """The last steps before a stop between log steps were neither logged nor checked: a loss gone NaN there reached
     the pre-quantization eval and the quantizer, which named no step."""
     cfg = tiny_cfg("train.max_steps=7", "train.log_every=5")
@@ -112,6 +124,7 @@ def test_a_run_stopped_between_log_steps_logs_and_checks_its_last_step(tmp_path)
                  DistInfo(0, 0, 1, torch.device("cpu")), Log(tmp_path / "l.txt", enabled=False))
     assert [f["step"] for kind, f in lines if kind == "step"] == [1, 5, 7]  # 7 = max_steps, logged before too
     cfg = tiny_cfg("train.max_steps=1000000", "train.log_every=100000", "train.time_budget_s=1.5")
+    monkeypatch.setattr(trainer, "time", TickingClock())
     with pytest.raises(DivergenceError, match=r"loss is nan at step \d+ ") as stop:  # it used to return normally
         run_training(cfg, model, NaNAfter(model, 2), RandomLoader(), build_optimizers(model.param_groups(), cfg.optim),
                      None, DistInfo(0, 0, 1, torch.device("cpu")), Log(tmp_path / "l.txt", enabled=False))
