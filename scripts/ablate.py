@@ -151,9 +151,12 @@ def summary_rows(variants: list[Variant]) -> list[dict]:
     return rows
 
 
+def num(value, spec: str) -> str:
+    """A table cell: the value formatted, or a dash for a run that has none."""
+    return "—" if value is None else format(value, spec)
+
+
 def format_table(rows: list[dict]) -> str:
-    def num(value, spec):
-        return "—" if value is None else format(value, spec)
     out = ["| variant | status | steps | tokens/s | ms/step | val_bpb pre-quant | val_bpb artifact | total bytes |",
            "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -194,8 +197,6 @@ def seed_summary(rows: list[dict], baseline: str | None) -> list[dict]:
 
 
 def format_seed_table(summary: list[dict]) -> str:
-    def num(value, spec):
-        return "—" if value is None else format(value, spec)
     out = ["| variant | seeds ok | steps | ms/step | val_bpb pre-quant | val_bpb artifact (mean ± sd) | vs baseline | "
            "one-sided p |", "|---|---|---|---|---|---|---|---|"]
     for s in summary:
