@@ -103,15 +103,16 @@ RUN_ONLY_KEYS = ("train.run_id", "train.resume", "train.log_dir", "train.out_dir
                  "data.train_files", "data.val_files", "data.tokenizer")
 
 
-def config_differences(logged: dict, expected: dict) -> list[str]:
-    """The dotted keys where a log's config line differs from the config this command would run. An option
-    the log does not have (newer than the run) counts as equal while this command leaves it at its default,
-    which is what the run did before the option existed."""
+def config_differences(logged: dict, expected: dict, ignore: tuple[str, ...] = ()) -> list[str]:
+    """The dotted keys where a log's config line differs from the config this command would run, leaving out
+    RUN_ONLY_KEYS and `ignore` (keys the caller compares another way). An option the log does not have (newer than
+    the run) counts as equal while this command leaves it at its default, which is what the run did before the
+    option existed."""
     a, b, default = flat_config(logged), flat_config(expected), flat_config(to_dict(Config()))
     absent = "<absent>"
     return [f"{key}: log {a.get(key, absent)!r}, this command {b.get(key, absent)!r}"
             for key in sorted(set(a) | set(b))
-            if key not in RUN_ONLY_KEYS and a.get(key, absent) != b.get(key, absent)
+            if key not in RUN_ONLY_KEYS and key not in ignore and a.get(key, absent) != b.get(key, absent)
             and not (key not in a and key in default and b.get(key) == default[key])]
 
 
@@ -141,11 +142,14 @@ def reuse_seed(run: SeedRun, log: RunLogData, config: str, overrides: list[str],
                          "run the seed again, or --allow-other-code to count it anyway (submission.json lists the "
                          "digests)")
     cfg = load_config(config, [*overrides, f"train.seed={run.seed}", f"train.run_id={run.run_id}"])
+    # A log's final record holds the budget its artifact had: that is compared instead of the key (older logs lack
+    # it, and their key is compared).
+    had_budget = log.final.get("budget_bytes")
+    ignore = ("quant.budget_bytes",) if had_budget is not None else ()
     # through JSON as train.py logged it (tuples become lists), so equal values compare equal
-    differences = config_differences(log.config, json.loads(json.dumps(to_dict(cfg))))
-    if "budget_bytes" in log.final:  # older logs lack it: their key was compared above
-        differences = [*(d for d in differences if not d.startswith("quant.budget_bytes:")),
-                       *budget_difference(log.final["budget_bytes"], cfg)]
+    differences = config_differences(log.config, json.loads(json.dumps(to_dict(cfg))), ignore)
+    if had_budget is not None:
+        differences += budget_difference(had_budget, cfg)
     if differences:
         raise SystemExit(f"reproduce: {path} is a run of another config, so --reuse cannot count it for seed "
                          f"{run.seed}:\n  " + "\n  ".join(differences) + "\nhint: pass the same --config and "

@@ -30,6 +30,16 @@ def test_seed_run_problems():
     assert SeedRun(1, "r", [], 0, diverged).problem() == "val_loss is nan, not a finite number"
 
 
+
+def test_config_differences_name_changed_keys_and_leave_out_run_only_and_ignored_ones():
+    logged = {"model": {"n_layers": 9}, "quant": {"budget_bytes": 0}, "train": {"run_id": "a", "seed": 1}}
+    expected = {"model": {"n_layers": 11}, "quant": {"budget_bytes": 15_000_000}, "train": {"run_id": "b", "seed": 1}}
+    assert reproduce.config_differences(logged, expected) == [
+        "model.n_layers: log 9, this command 11", "quant.budget_bytes: log 0, this command 15000000"]
+    assert reproduce.config_differences(logged, expected, ignore=("quant.budget_bytes",)) == [
+        "model.n_layers: log 9, this command 11"]
+
+
 # ----- commands -----
 
 def test_dry_run_prints_one_command_per_seed(capsys):
