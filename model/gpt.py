@@ -32,6 +32,7 @@ run the last plain blocks as two residual lanes (ParallelLanes).
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -49,6 +50,20 @@ from model.mhc import MHCParams, lanes_init_bias, mhc_ops
 HEAD = "embed.weight"  # the tied table, by state_dict name: the token embedding and the output layer
 PHI_SEED_OFFSET = 0x6D6863  # phi's generator: the run's seed plus this ("mhc"), apart from the global stream
 
+
+
+@contextmanager
+def one_cpu_thread():
+    """Torch's CPU ops on one thread inside the block. For the orthogonal init: the rounding of its QR depends on the
+    thread count, so a seed's initial weights would differ between machines with other core counts; and a QR on
+    several threads slows down by an order of magnitude where other processes keep the cores busy (runs side by
+    side on one host), where on one thread it takes milliseconds a matrix."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -138,19 +153,20 @@ class GPT(nn.Module):
         table starts at zero and the projection orthogonal (both zero would never get a gradient).
         """
         nn.init.normal_(self.embed.weight, std=self.cfg.embed_init_std)
-        for sub in self.sublayers:
-            body = sub.body
-            if isinstance(body, Attention):
-                nn.init.orthogonal_(body.qkv.weight)
-                nn.init.zeros_(body.proj.weight)
-                if body.value_proj is not None:
-                    nn.init.zeros_(body.value_proj.weight)
-            else:
-                nn.init.orthogonal_(body.up.weight)
-                nn.init.zeros_(body.down.weight)
-        if self.bigram is not None:
-            nn.init.zeros_(self.bigram.table.weight)
-            nn.init.orthogonal_(self.bigram.proj.weight)
+        with one_cpu_thread():
+            for sub in self.sublayers:
+                body = sub.body
+                if isinstance(body, Attention):
+                    nn.init.orthogonal_(body.qkv.weight)
+                    nn.init.zeros_(body.proj.weight)
+                    if body.value_proj is not None:
+                        nn.init.zeros_(body.value_proj.weight)
+                else:
+                    nn.init.orthogonal_(body.up.weight)
+                    nn.init.zeros_(body.down.weight)
+            if self.bigram is not None:
+                nn.init.zeros_(self.bigram.table.weight)
+                nn.init.orthogonal_(self.bigram.proj.weight)
         if self.value_embed is not None:
             nn.init.normal_(self.value_embed.weight, std=1.0)
 

@@ -430,3 +430,18 @@ def test_a_float64_model_with_mhc_on_some_blocks_runs():
     model = GPT(tiny(n_streams=2, mhc_blocks=1)).double()
     idx = torch.randint(0, 64, (2, 8))
     assert torch.isfinite(model(idx)).all()
+
+
+def test_initial_weights_do_not_depend_on_the_cpu_thread_count():
+    """The orthogonal init's QR rounds differently on one thread and on several: it runs on one, so a seed starts from
+    the same weights on any machine (and a busy host does not stall the QR); the caller's thread count is kept."""
+    threads = torch.get_num_threads()
+    weights = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        torch.manual_seed(0)
+        weights.append(GPT(tiny(vocab_size=256, d_model=128, n_heads=4, n_kv_heads=4, n_streams=1)).state_dict())
+        assert torch.get_num_threads() == n
+    torch.set_num_threads(threads)
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
