@@ -51,7 +51,6 @@ HEAD = "embed.weight"  # the tied table, by state_dict name: the token embedding
 PHI_SEED_OFFSET = 0x6D6863  # phi's generator: the run's seed plus this ("mhc"), apart from the global stream
 
 
-
 @contextmanager
 def one_cpu_thread():
     """Torch's CPU ops on one thread inside the block. For the orthogonal init: the rounding of its QR depends on the
@@ -64,6 +63,7 @@ def one_cpu_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):

@@ -437,11 +437,13 @@ def test_initial_weights_do_not_depend_on_the_cpu_thread_count():
     the same weights on any machine (and a busy host does not stall the QR); the caller's thread count is kept."""
     threads = torch.get_num_threads()
     weights = []
-    for n in (1, 2):
-        torch.set_num_threads(n)
-        torch.manual_seed(0)
-        weights.append(GPT(tiny(vocab_size=256, d_model=128, n_heads=4, n_kv_heads=4, n_streams=1)).state_dict())
-        assert torch.get_num_threads() == n
-    torch.set_num_threads(threads)
+    try:  # the suite's later tests keep their thread count whatever happens here
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            torch.manual_seed(0)
+            weights.append(GPT(tiny(vocab_size=256, d_model=128, n_heads=4, n_kv_heads=4, n_streams=1)).state_dict())
+            assert torch.get_num_threads() == n
+    finally:
+        torch.set_num_threads(threads)
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

@@ -30,7 +30,6 @@ def test_seed_run_problems():
     assert SeedRun(1, "r", [], 0, diverged).problem() == "val_loss is nan, not a finite number"
 
 
-
 def test_config_differences_name_changed_keys_and_leave_out_run_only_and_ignored_ones():
     logged = {"model": {"n_layers": 9}, "quant": {"budget_bytes": 0}, "train": {"run_id": "a", "seed": 1}}
     expected = {"model": {"n_layers": 11}, "quant": {"budget_bytes": 15_000_000}, "train": {"run_id": "b", "seed": 1}}
