@@ -120,7 +120,8 @@ def budget_difference(had: int, cfg: Config) -> list[str]:
     """quant.budget_bytes=0 derives the artifact's budget from the code a checkout counts, so the key says neither
     what a run had nor what this command would give: the budgets themselves are compared (the run's from its final
     record). A run whose budget was derived counts for a command that pins the same number, and a derived budget
-    that moved with the code does not count."""
+    that moved with the code does not count (unless --allow-other-code, which counts the runs of other code with
+    the budgets that code gave them)."""
     would = cfg.quant.budget_bytes or artifact_budget(cfg)[0]
     if had == would:
         return []
@@ -143,12 +144,14 @@ def reuse_seed(run: SeedRun, log: RunLogData, config: str, overrides: list[str],
                          "digests)")
     cfg = load_config(config, [*overrides, f"train.seed={run.seed}", f"train.run_id={run.run_id}"])
     # A log's final record holds the budget its artifact had: that is compared instead of the key (older logs lack
-    # it, and their key is compared).
+    # it, and their key is compared). With --allow-other-code, a budget both sides derive from their code moved with
+    # the code the user chose to count, so it is not compared.
     had_budget = log.final.get("budget_bytes")
     ignore = ("quant.budget_bytes",) if had_budget is not None else ()
     # through JSON as train.py logged it (tuples become lists), so equal values compare equal
     differences = config_differences(log.config, json.loads(json.dumps(to_dict(cfg))), ignore)
-    if had_budget is not None:
+    both_derived = cfg.quant.budget_bytes == 0 and log.config.get("quant", {}).get("budget_bytes") == 0
+    if had_budget is not None and not (code is None and both_derived):
         differences += budget_difference(had_budget, cfg)
     if differences:
         raise SystemExit(f"reproduce: {path} is a run of another config, so --reuse cannot count it for seed "
@@ -233,7 +236,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "elsewhere, or before an interruption) and run only the others")
     p.add_argument("--allow-other-code", action="store_true",
                    help="with --reuse, count logs of runs whose training code differs from this checkout's (or is "
-                        "unknown); submission.json lists every digest")
+                        "unknown), with the artifact budget that code derived; submission.json lists every digest")
     p.add_argument("--dry-run", action="store_true",
                    help="print the commands and exit (reads neither the config nor the logs, so it also lists "
                         "the seeds --reuse would read back)")

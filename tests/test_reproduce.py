@@ -259,7 +259,8 @@ def test_reuse_refuses_the_log_of_another_config(tiny_seed_runs, demo_dir, tmp_p
 
 def test_reuse_compares_the_artifact_budget_the_runs_had(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
     """The logs' runs derived their budget (quant.budget_bytes=0): a command pinning that number counts them, one
-    pinning another does not, and a derived budget that moved (another count of the code) does not either."""
+    pinning another does not, and a derived budget that moved (another count of the code) does not either, unless
+    --allow-other-code counts other code with the budget it derived (a pinned one is still compared)."""
     no_run(monkeypatch)
     had = parse_log(tiny_seed_runs.logs[0]).require_final()["budget_bytes"]
     assert had > 0 and all(parse_log(p).config["quant"]["budget_bytes"] == 0 for p in tiny_seed_runs.logs)
@@ -275,7 +276,12 @@ def test_reuse_compares_the_artifact_budget_the_runs_had(tiny_seed_runs, demo_di
                                          rf"{had:,} \(quant\.cap_bytes less this checkout's counted code"):
         reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "derived", "--reuse",
                                  overrides=moved))
+    with pytest.raises(SystemExit, match=rf"the run's artifact budget was {had:,} bytes, this command's is {had - 1:,} "):
+        reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "other", "--reuse",
+                                 "--allow-other-code", overrides=[f"quant.budget_bytes={had - 1}"]))
     assert not any((tmp_path / name).exists() for name in ("other", "derived"))
+    assert reproduce.main(tiny_argv(tiny_seed_runs, demo_dir, TINY_SEEDS, tmp_path / "derived", "--reuse",
+                                    "--allow-other-code", overrides=moved)) == 0
 
 
 def test_reuse_counts_a_log_run_under_another_name(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
