@@ -417,3 +417,20 @@ def test_compiled_sliding_score_is_the_eager_score_in_one_graph(monkeypatch):
         assert evaluate_bpb(model, tokens, lut, **settings, compile=True) == eager
     finally:
         torch._dynamo.reset()
+
+
+def test_dynamic_graphs_are_compiled_without_inductor_shape_padding(monkeypatch):
+    """Padded matmuls broke the backward of the symbolic-length document-LoRA graph on a GPU (tests/test_ttt_lora.py's
+    GPU test): graphs with dynamic shapes go to inductor with shape padding off; fixed-shape graphs, and other
+    backends (which take no inductor options), as torch.compile has them by default."""
+    from training import evaluate
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    assert evaluate.compiled(len, False, dynamic=True) is len and calls == []
+    evaluate.compiled(len, True, dynamic=True)
+    evaluate.compiled(len, True, dynamic=False)
+    monkeypatch.setattr(evaluate, "COMPILE_BACKEND", "aot_eager")
+    evaluate.compiled(len, True, dynamic=True)
+    assert calls == [dict(backend="inductor", dynamic=True, options={"shape_padding": False}),
+                     dict(backend="inductor", dynamic=False, options=None),
+                     dict(backend="aot_eager", dynamic=True, options=None)]

@@ -28,7 +28,13 @@ def compiled(fn: Callable, on: bool, *, dynamic: bool) -> Callable:
     """fn through torch.compile when `on` (eval.compile), else fn itself. Dynamo keeps its graphs with fn's code and
     takes the parameters as graph inputs: every wrapper of it, and every model of the same shapes, reuses them, and
     weights changed in place (test-time training, the EMA swap) are what a graph reads."""
-    return torch.compile(fn, backend=COMPILE_BACKEND, dynamic=dynamic) if on else fn
+    if not on:
+        return fn
+    # Inductor's shape padding (pad_mm) widens a matmul's small dimension, e.g. a LoRA rank of 4 to 8 bf16 columns;
+    # with the sequence length symbolic, the padded product's saved strides were fixed at the first length's values,
+    # and the backward at the next length failed its stride check (torch 2.11 on CUDA).
+    options = {"shape_padding": False} if dynamic and COMPILE_BACKEND == "inductor" else None
+    return torch.compile(fn, backend=COMPILE_BACKEND, dynamic=dynamic, options=options)
 
 
 @dataclass(frozen=True)
