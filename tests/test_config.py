@@ -258,7 +258,8 @@ def test_the_sp8192_config_is_h100_short_with_the_measured_overrides():
                       ("data", "val_files"): "data/datasets/fineweb10B_sp8192/fineweb_val_*.bin",
                       ("data", "tokenizer"): "data/tokenizers/fineweb_8192_bpe.model",
                       ("optim", "weight_decay"): 0.09, ("optim", "muon_momentum"): 0.97,
-                      ("optim", "ema_decay"): 0.9965, ("optim", "warmdown_frac"): 0.72, ("optim", "lr_floor"): 0.10}
+                      ("optim", "ema_decay"): 0.9965, ("optim", "warmdown_frac"): 0.72, ("optim", "lr_floor"): 0.10,
+                      ("optim", "muon_row_norm"): True}
 
 
 def test_the_frontier_config_builds_the_records_model():
