@@ -371,7 +371,7 @@ def test_a_padded_batch_scores_what_the_batch_scores_and_reads_no_later_token():
     """eval.compile pads a batch to [batch_seqs, context]: its padding rows and the positions past a short window's
     end are never scored, and hold token 0, not the tokens after the window (a later token never reaches a score)."""
     from training.evaluate import Window, score_batch
-    model, cpu = tiny_gpt(), torch.device("cpu")
+    model = tiny_gpt()
     tokens = torch.from_numpy(np.random.default_rng(0).integers(4, 32, 100))
     all_bytes = target_bytes(tokens, simple_lut(32)).to(torch.int32)
     batch = [Window(start=10, score_from=2, length=8), Window(start=40, score_from=5, length=8)]
@@ -381,8 +381,8 @@ def test_a_padded_batch_scores_what_the_batch_scores_and_reads_no_later_token():
         seen.append((x, y))
         return model.token_nll(x, y)
     with torch.no_grad():
-        plain = score_batch(token_nll, batch, tokens, all_bytes, cpu)
-        padded = score_batch(token_nll, batch, tokens, all_bytes, cpu, shape=(4, 16))
+        plain = score_batch(token_nll, batch, tokens, all_bytes)
+        padded = score_batch(token_nll, batch, tokens, all_bytes, shape=(4, 16))
     assert plain[0].tolist() == list(range(13, 19)) + list(range(46, 49))
     assert all(torch.equal(a, b) for a, b in zip(plain, padded))
     x, y = seen[1]

@@ -138,28 +138,36 @@ def batch_windows(windows: list[Window], batch_seqs: int) -> list[list[Window]]:
     return [ws[i:i + batch_seqs] for ws in groups.values() for i in range(0, len(ws), batch_seqs)]
 
 
-def score_batch(token_nll: Callable, batch: list[Window], all_tokens: torch.Tensor, all_bytes: torch.Tensor,
-                device: torch.device, shape: tuple[int, int] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(target index, NLL in nats as float64, bytes) of every target the windows of `batch` (of one length) score,
-    token_nll(x, y) giving the NLL [rows, T]. all_tokens: int64 [n]; all_bytes: the bytes of target j at index j-1.
-    shape: (rows, length) to pad the inputs to, so that one compiled graph takes every batch: the padding rows, and
-    the positions past a short window's end, hold token 0 (never a later token; the model is causal) and are not
-    scored."""
+def batch_inputs(batch: list[Window], all_tokens: torch.Tensor, shape: tuple[int, int] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, y, index, scored) [rows, T] for the windows of `batch` (of one length): inputs, targets, each input's
+    position in all_tokens (int64 [n], its target is at index + 1), and the targets the windows score. Built on
+    all_tokens' device: on the host these small tensor ops ran on every core for every batch, and where other
+    processes kept the cores busy each batch waited on them. shape: (rows, length) to pad to, so that one compiled
+    graph takes every batch: the padding rows, and the positions past a short window's end, hold token 0 (never a
+    later token; the model is causal) and are not scored."""
+    device = all_tokens.device
     n, length = len(batch), batch[0].length
     rows, width = shape or (n, length)
-    offsets = torch.arange(width)
-    starts = torch.tensor([w.start for w in batch] + [0] * (rows - n))
-    real = offsets < torch.tensor([length] * n + [0] * (rows - n))[:, None]  # a padding row has no position
-    index = (starts[:, None] + offsets).clamp(max=len(all_tokens) - 2)  # of the input; its target is the next token
-    x = torch.where(real, all_tokens[index], 0).to(device, non_blocking=True)
-    y = torch.where(real, all_tokens[index + 1], 0).to(device, non_blocking=True)
-    score_from = torch.tensor([w.score_from for w in batch] + [0] * (rows - n))
-    mask = (real & (offsets >= score_from[:, None])).to(device)
-    byte_counts = all_bytes[index].to(device, non_blocking=True)
-    targets = (index + 1).to(device, non_blocking=True)
-    nll = token_nll(x, y).double()
-    return targets[mask], nll[mask], byte_counts[mask]
+    pad = [0] * (rows - n)
+    spans = torch.tensor([[w.start for w in batch] + pad, [w.score_from for w in batch] + pad])
+    # from pinned memory the copy queues behind the device's work; from pageable memory it would wait for it
+    starts, score_from = (spans.pin_memory() if device.type == "cuda" else spans).to(device, non_blocking=True)
+    offsets = torch.arange(width, device=device)
+    real = (offsets < length) & (torch.arange(rows, device=device) < n)[:, None]  # a padding row has no position
+    index = (starts[:, None] + offsets).clamp(max=len(all_tokens) - 2)
+    x = torch.where(real, all_tokens[index], 0)
+    y = torch.where(real, all_tokens[index + 1], 0)
+    return x, y, index, real & (offsets >= score_from[:, None])
+
+
+def score_batch(token_nll: Callable, batch: list[Window], all_tokens: torch.Tensor, all_bytes: torch.Tensor,
+                shape: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(target index, NLL in nats as float64, bytes) of every target the windows of `batch` score, token_nll(x, y)
+    giving the NLL [rows, T]; all_tokens (int64 [n]) and all_bytes (the bytes of target j at index j-1) on the
+    model's device. Indexing by the scored mask reads it on the host: evaluate_bpb sums without it."""
+    x, y, index, scored = batch_inputs(batch, all_tokens, shape)
+    return (index + 1)[scored], token_nll(x, y).double()[scored], all_bytes[index][scored]
 
 
 def bpb_totals(nll_sum: torch.Tensor, n_scored: torch.Tensor, n_bytes: torch.Tensor, n_tokens: int,
@@ -203,7 +211,8 @@ def evaluate_bpb(
     windows = plan_windows(len(tokens), context, stride)
     mine = windows[rank * len(windows) // world_size:(rank + 1) * len(windows) // world_size]
     all_tokens = torch.from_numpy(tokens.astype(np.int64))
-    all_bytes = target_bytes(all_tokens, lut).to(torch.int32)  # bytes of target j at index j-1
+    all_bytes = target_bytes(all_tokens, lut).to(device=device, dtype=torch.int32)  # bytes of target j at j-1
+    all_tokens = all_tokens.to(device)
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
     n_scored = torch.zeros((), dtype=torch.int64, device=device)
     n_bytes = torch.zeros((), dtype=torch.int64, device=device)
@@ -222,10 +231,11 @@ def evaluate_bpb(
             progress(f"scoring: {done:,} of {len(mine):,} windows in {elapsed:.0f} s, about "
                      f"{elapsed * (len(mine) - done) / done:.0f} s left")
         done += len(batch)
+        x, y, index, scored = batch_inputs(batch, all_tokens, shape)
         with amp:
-            _, nll, byte_counts = score_batch(token_nll, batch, all_tokens, all_bytes, device, shape)
-        nll_sum += nll.sum()
-        n_scored += nll.numel()
-        n_bytes += byte_counts.sum()
+            nll = token_nll(x, y)
+        nll_sum += torch.where(scored, nll.double(), 0).sum()  # no host read per batch: the next one queues
+        n_scored += scored.sum()
+        n_bytes += torch.where(scored, all_bytes[index], 0).sum()
     model.train(was_training)
     return bpb_totals(nll_sum, n_scored, n_bytes, len(tokens), world_size)

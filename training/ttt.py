@@ -77,7 +77,7 @@ def train_on_chunk(model: torch.nn.Module, optimizer: torch.optim.Optimizer, all
     a chunk's last, smaller one are the only row counts, so one or two graphs."""
     loss_fn = compiled(model, compile, dynamic=False)
     params = [p for p in model.parameters() if p.requires_grad]
-    offsets = torch.arange(seq_len + 1)
+    offsets = torch.arange(seq_len + 1, device=all_tokens.device)
     model.train()
     for _ in range(epochs):
         for i in range(0, len(starts), batch_seqs):
@@ -87,7 +87,7 @@ def train_on_chunk(model: torch.nn.Module, optimizer: torch.optim.Optimizer, all
             mine = step[rank * len(step) // world_size:(rank + 1) * len(step) // world_size]
             optimizer.zero_grad(set_to_none=True)
             if mine:
-                seqs = all_tokens[torch.tensor(mine)[:, None] + offsets].to(device, non_blocking=True)
+                seqs = all_tokens[torch.tensor(mine).to(all_tokens.device)[:, None] + offsets].to(device)
                 with amp:
                     loss = loss_fn(seqs[:, :-1], seqs[:, 1:])
                 # this rank's mean over its sequences, weighted so that the ranks' sum is the step's mean
@@ -111,7 +111,8 @@ def ttt_scores(model: torch.nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Ev
     n_targets = len(tokens) - 1
     chunks = chunk_windows(plan_windows(len(tokens), cfg.context, cfg.stride), n_targets, cfg.ttt_chunk_tokens)
     all_tokens = torch.from_numpy(tokens.astype(np.int64))
-    all_bytes = target_bytes(all_tokens, lut).to(torch.int32)  # bytes of target j at index j-1
+    all_bytes = target_bytes(all_tokens, lut).to(device=device, dtype=torch.int32)  # bytes of target j at j-1
+    all_tokens = all_tokens.to(device)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.ttt_lr,
                                 momentum=cfg.ttt_momentum)
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
@@ -132,7 +133,7 @@ def ttt_scores(model: torch.nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Ev
                 if before_batch is not None:
                     before_batch()
                 with amp:
-                    scored.append(score_batch(token_nll, batch, all_tokens, all_bytes, device, shape))
+                    scored.append(score_batch(token_nll, batch, all_tokens, all_bytes, shape))
         yield from scored
         scored_through = max([scored_through] + [w.start + w.length for w in chunk])
         if c == len(chunks) - 1:

@@ -227,7 +227,7 @@ def score_documents(model: nn.Module, adapters: Adapters, batch: list[tuple[int,
 def train_on_scored(model: nn.Module, all_tokens: torch.Tensor, through: int, scored_through: int, cfg: EvalConfig,
                     *, device: torch.device, amp, rank: int, world_size: int,
                     before_batch: Callable[[], None] | None) -> None:
-    """One phase: the model's weights train on targets 1..through (all_tokens on the CPU), which must all be scored."""
+    """One phase: the model's weights train on targets 1..through, which must all be scored."""
     if through > scored_through:  # the construction of the phases makes this impossible
         raise RuntimeError(f"a phase of test-time training would train on target {through}, scored only through "
                            f"{scored_through}")
@@ -284,7 +284,7 @@ def doc_lora_scores(model: nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Eva
             if k < len(plan) - 1:
                 for p in trainable:
                     p.requires_grad_(True)
-                train_on_scored(model, cpu_tokens, phase_end(docs, segment), scored_through, cfg, device=device,
+                train_on_scored(model, all_tokens, phase_end(docs, segment), scored_through, cfg, device=device,
                                 amp=amp, rank=rank, world_size=world_size, before_batch=before_batch)
     finally:
         model.load_state_dict(saved)
