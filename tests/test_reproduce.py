@@ -1,7 +1,6 @@
 """scripts.reproduce: the commands, real tiny CPU runs (two seeds, one failing run), and seeds read back from their
-logs (--reuse), the kept sp8192 layout logs among them. training.records' statistics: tests/test_records.py."""
+logs (--reuse). The kept GPU run logs: tests/test_run_logs.py; training.records' statistics: tests/test_records.py."""
 import json
-import re
 import shlex
 import sys
 from pathlib import Path
@@ -161,47 +160,6 @@ def copied_logs(tiny_seed_runs, folder: Path, edit=lambda seed, text: text) -> l
 
 def no_run(monkeypatch):
     monkeypatch.setattr(reproduce, "run_seed", lambda run, signals=None: pytest.fail(f"seed {run.seed} ran"))
-
-
-# configs/h100_sp8192.toml's last three blocks as the kept logs ran them, before the config took MuonEq-R
-SP8192_LAYOUTS = {"plain": "model.n_streams=1 model.mhc_blocks=0 model.mhc_start=0 model.mhc_init=plain",
-                  "lanes": "model.n_streams=1 model.mhc_blocks=0 model.mhc_start=0 model.mhc_init=plain "
-                           "model.lane_start=8",
-                  "mhclanes": ""}  # the config's own layout
-
-
-@pytest.mark.parametrize("name, baseline, p_any", [("mhclanes", "lanes", 0.01492), ("mhclanes", "plain", 0.01259),
-                                                   ("lanes", "plain", 0.06097)])
-def test_the_kept_sp8192_layouts_compare_as_the_results_say(name, baseline, p_any, tmp_path, monkeypatch, capsys):
-    """docs/results.md's three seeds of the last-3-block layouts, counted by `reproduce --reuse` from the kept logs:
-    seed 1337 ran under another run id at another commit with a derived budget, seeds 42 and 2025 with that budget
-    pinned, so the logs count only through the budget the runs had."""
-    no_run(monkeypatch)
-    logs = REPO / "docs" / "run_logs"
-    argv = ["--config", str(REPO / "configs/h100_sp8192.toml"), "--seeds", "1337,42,2025", "--name", f"sp8192-{name}",
-            "--reuse", "--allow-other-code", "--out", str(tmp_path / "sub"),
-            "--baseline", *(str(logs / f"sp8192-{baseline}-s{s}.txt") for s in (1337, 42, 2025)),
-            "--", f"train.log_dir={logs}", "quant.budget_bytes=15680892", "optim.muon_row_norm=false",
-            *SP8192_LAYOUTS[name].split()]
-    assert reproduce.main(argv) == 0
-    out = capsys.readouterr().out
-    assert out.count("ok (from its log)") == 3 and "not a record" in out
-    assert re.search(rf"without the margin \(any improvement\): t [0-9.]+, p {p_any}\b", out), out
-
-
-def test_muoneqr_at_sp8192_compares_as_the_results_say(tmp_path, monkeypatch, capsys):
-    """docs/results.md's three seeds of configs/h100_sp8192.toml with and without MuonEq-R: seed 1337 ran at another
-    commit (other training code, a derived budget 152 bytes larger), so --allow-other-code counts it."""
-    no_run(monkeypatch)
-    logs = REPO / "docs" / "run_logs"
-    argv = ["--config", str(REPO / "configs/h100_sp8192.toml"), "--seeds", "1337,42,2025", "--name", "sp8192-muoneqr",
-            "--reuse", "--allow-other-code", "--out", str(tmp_path / "sub"),
-            "--baseline", *(str(logs / f"sp8192-muon-s{s}.txt") for s in (1337, 42, 2025)),
-            "--", f"train.log_dir={logs}"]
-    assert reproduce.main(argv) == 0
-    out = capsys.readouterr().out
-    assert out.count("ok (from its log)") == 3 and "val_bpb: mean 1.28234, std 0.00096" in out
-    assert re.search(r"without the margin \(any improvement\): t 3.295, p 0.02025\b", out), out
 
 
 def test_an_existing_log_is_refused_without_reuse(tiny_seed_runs, demo_dir, tmp_path, monkeypatch):
