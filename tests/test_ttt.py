@@ -136,7 +136,7 @@ def test_score_model_reports_the_ttt_score_beside_the_plain_one(tmp_path):
     both = score_model(artifact, tiny_model(), {}, tokens, lut, SMALL, device=CPU)
     assert not set(ttt.TTT_KEYS) & set(plain) and set(ttt.TTT_KEYS) <= set(both)
     assert both["val_bpb"] == plain["val_bpb"] and both["val_bpb_ttt"] != both["val_bpb"]
-    assert both["ttt"] == "chunk_sgd" and both["ttt_time_s"] >= 0
+    assert both["ttt"] == "chunk_sgd" and both["ttt_time_s"] >= 0 and plain["score_time_s"] >= 0
 
 
 def test_compiled_chunk_sgd_is_the_eager_pass_in_two_graphs(monkeypatch):

@@ -143,20 +143,23 @@ def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT
                 device: torch.device, rank: int = 0, world_size: int = 1,
                 tokenizer_sha256: str | None = None, progress=None, before_batch=None,
                 shipped_code: list[Path] | None = None) -> dict:
-    """BPB of the model loaded from `artifact`, and the shipped size (artifact + counted code: training.shipped_code's,
-    or the files of `shipped_code`). With eval_cfg.ttt, the score-first test-time training pass's too (val_loss_ttt,
-    val_bpb_ttt, and its wall-clock ttt_time_s), after the plain score: chunk_sgd trains `model` in place, doc_lora
+    """BPB of the model loaded from `artifact`, the plain pass's wall clock (score_time_s), and the shipped size
+    (artifact + counted code: training.shipped_code's, or the files of `shipped_code`). With eval_cfg.ttt, the
+    score-first test-time training pass's too (val_loss_ttt, val_bpb_ttt, and its wall-clock ttt_time_s), after the
+    plain score: chunk_sgd trains `model` in place, doc_lora
     gives it its weights back.
     progress and before_batch: see training.evaluate.evaluate_bpb."""
     if tokenizer_sha256:
         require_same_tokenizer(artifact, meta, tokenizer_sha256)
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
+    t0 = time.perf_counter()  # each pass ends in a host read of its totals: the device has finished by then
     result = evaluate_bpb(model, val_tokens, lut, context=eval_cfg.context, stride=eval_cfg.stride,
                           batch_seqs=eval_cfg.batch_seqs, device=device, autocast_dtype=autocast_dtype,
                           rank=rank, world_size=world_size, progress=progress, before_batch=before_batch,
                           compile=eval_cfg.compile)
+    result["score_time_s"] = round(time.perf_counter() - t0, 1)
     if eval_cfg.ttt != "none":
-        t0 = time.perf_counter()  # the pass ends in an all-reduce and a host read: the GPU has finished by then
+        t0 = time.perf_counter()
         ttt = TTT_PASSES[eval_cfg.ttt](model, val_tokens, lut, eval_cfg, device=device, autocast_dtype=autocast_dtype,
                                        rank=rank, world_size=world_size, progress=progress, before_batch=before_batch)
         result.update(val_loss_ttt=ttt["val_loss"], val_bpb_ttt=ttt["val_bpb"],
