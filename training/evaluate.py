@@ -75,6 +75,13 @@ def target_bytes(tokens: torch.Tensor, lut: ByteLUT) -> torch.Tensor:
     return base[tgt] + (space[tgt] & ~boundary[prev]).long()
 
 
+def device_tokens(tokens: np.ndarray, lut: ByteLUT, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(all_tokens int64 [n], all_bytes int32 [n-1]: the bytes of target j at index j-1) on `device`, copied once for
+    a whole pass, so that its batches are gathered there."""
+    all_tokens = torch.from_numpy(tokens.astype(np.int64))
+    return all_tokens.to(device), target_bytes(all_tokens, lut).to(device=device, dtype=torch.int32)
+
+
 def audit_bytes(tokens: np.ndarray, sp, lut: ByteLUT, bos_id: int = 1) -> tuple[int, int]:
     """(counted bytes, UTF-8 bytes of the decoded text) over the documents in `tokens`.
 
@@ -210,9 +217,7 @@ def evaluate_bpb(
     compile (eval.compile): token_nll through torch.compile, every batch padded to [batch_seqs, context]: one graph."""
     windows = plan_windows(len(tokens), context, stride)
     mine = windows[rank * len(windows) // world_size:(rank + 1) * len(windows) // world_size]
-    all_tokens = torch.from_numpy(tokens.astype(np.int64))
-    all_bytes = target_bytes(all_tokens, lut).to(device=device, dtype=torch.int32)  # bytes of target j at j-1
-    all_tokens = all_tokens.to(device)
+    all_tokens, all_bytes = device_tokens(tokens, lut, device)
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
     n_scored = torch.zeros((), dtype=torch.int64, device=device)
     n_bytes = torch.zeros((), dtype=torch.int64, device=device)

@@ -146,8 +146,7 @@ def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT
     """BPB of the model loaded from `artifact`, the plain pass's wall clock (score_time_s), and the shipped size
     (artifact + counted code: training.shipped_code's, or the files of `shipped_code`). With eval_cfg.ttt, the
     score-first test-time training pass's too (val_loss_ttt, val_bpb_ttt, and its wall-clock ttt_time_s), after the
-    plain score: chunk_sgd trains `model` in place, doc_lora
-    gives it its weights back.
+    plain score: chunk_sgd trains `model` in place, doc_lora gives it its weights back.
     progress and before_batch: see training.evaluate.evaluate_bpb."""
     if tokenizer_sha256:
         require_same_tokenizer(artifact, meta, tokenizer_sha256)

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 from data.tokenizer import ByteLUT
 from training.eval_config import EvalConfig
-from training.evaluate import PROGRESS_EVERY_S, Window, batch_windows, bpb_totals, compiled, plan_windows, \
-    score_batch, target_bytes
+from training.evaluate import PROGRESS_EVERY_S, Window, batch_windows, bpb_totals, compiled, device_tokens, \
+    plan_windows, score_batch
 
 GRAD_CLIP = 1.0  # the records' global gradient-norm clip for TTT steps
 # What a TTT pass adds to a score's result, beside the plain sliding score's val_loss and val_bpb.
@@ -110,9 +110,7 @@ def ttt_scores(model: torch.nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Ev
     trains `model` in place between chunks. The caller sums them (and all-reduces the sums)."""
     n_targets = len(tokens) - 1
     chunks = chunk_windows(plan_windows(len(tokens), cfg.context, cfg.stride), n_targets, cfg.ttt_chunk_tokens)
-    all_tokens = torch.from_numpy(tokens.astype(np.int64))
-    all_bytes = target_bytes(all_tokens, lut).to(device=device, dtype=torch.int32)  # bytes of target j at j-1
-    all_tokens = all_tokens.to(device)
+    all_tokens, all_bytes = device_tokens(tokens, lut, device)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.ttt_lr,
                                 momentum=cfg.ttt_momentum)
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()

@@ -59,7 +59,7 @@ from data.tokenizer import ByteLUT
 from model.features import BOS_ID
 from model.layers import MLP, Attention
 from training.eval_config import EvalConfig
-from training.evaluate import PROGRESS_EVERY_S, bpb_totals, compiled, target_bytes
+from training.evaluate import PROGRESS_EVERY_S, bpb_totals, compiled, device_tokens
 from training.ttt import cosine_lr, train_on_chunk, training_starts
 
 ADAM_BETAS, ADAM_EPS = (0.0, 0.999), 1e-10  # the records' TTT_BETA1, TTT_BETA2 and eps [1]
@@ -250,9 +250,7 @@ def doc_lora_scores(model: nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Eva
     """The pass, as score_documents' (target index, NLL, bytes, scored) of each chunk this rank scores; the phases
     train `model` in between, and it gets its own weights back at the end. The caller sums the scored entries."""
     docs = split_documents(tokens)
-    cpu_tokens = torch.from_numpy(tokens.astype(np.int64))
-    all_tokens = cpu_tokens.to(device)
-    all_bytes = target_bytes(cpu_tokens, lut).to(device=device, dtype=torch.int32)  # bytes of target j at j-1
+    all_tokens, all_bytes = device_tokens(tokens, lut, device)
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     trainable = [p for p in model.parameters() if p.requires_grad]
     saved = {name: t.detach().clone() for name, t in model.state_dict().items()}
