@@ -7,8 +7,8 @@ artifact_bytes, code_bytes, total_bytes; with test-time training, also val_loss_
 train.py's final line comes from training.score.evaluate_artifact: the same code path. Unless --context / --stride /
 --max-tokens / --batch-seqs and eval.ttt* settings say otherwise, it scores as the run did (its eval settings,
 recorded in the artifact), so the numbers are train.py's; eval.compile=true runs the passes' model calls through
-torch.compile (not recorded: a GPU's speed-up, the same scores to rounding). Score-first test-time training beside the plain score
-(docs/operations.md):
+torch.compile (not recorded: a GPU's speed-up, the same scores to rounding). Score-first test-time training beside
+the plain score (docs/operations.md):
 
     python -m scripts.evaluate --artifact A.mhcg --val DIR --tokenizer T.model eval.ttt=chunk_sgd [eval.ttt_lr=...]
 The counted code is what a record made from this checkout ships (training.shipped_code), as train.py counts it; for
