@@ -24,22 +24,10 @@ from pathlib import Path
 
 import torch
 
-from data.loader import load_tokens
-from data.shards import ShardError, list_shards, require_token_ids, require_tokenizer
-from data.tokenizer import TokenizerError, build_byte_lut, file_sha256, load_sp, require_round_trip
-from quant.container import ArtifactError, CodecUnavailable
+from quant.container import ArtifactError
 from training.config import ConfigError, parse_setting
-from training.eval_config import EVAL_RECORDED
-from training.evaluate import ByteAuditError, require_byte_audit
-from training.score import load_model, recorded_eval, require_same_tokenizer, score_model
-
-
-# Bad input (a path, an artifact, shards, a tokenizer, a missing codec module): the message names the file and
-# gives a hint, so it is printed alone.
-# The eval settings given as eval.KEY=VALUE: test-time training's (the window settings have their flags), and
-# eval.compile, which the artifact does not record (it changes how fast a machine scores, not what is scored).
-SETTINGS = tuple(key for key in EVAL_RECORDED if key.startswith("ttt")) + ("compile",)
-INPUT_ERRORS = (ArtifactError, ShardError, TokenizerError, ByteAuditError, CodecUnavailable, FileNotFoundError)
+from training.score import load_model, recorded_eval, score_model
+from training.scoring_inputs import INPUT_ERRORS, SETTINGS, checked_tokens, open_validation, parse_device
 
 
 def main(argv=None) -> None:
@@ -64,14 +52,7 @@ def main(argv=None) -> None:
         a.eval = dict(parse_setting(item, "eval", SETTINGS) for item in a.settings)
     except ConfigError as e:
         p.error(str(e))
-    try:
-        device = torch.device(a.device)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        p.error(f"--device {a.device!r}: expected cpu, cuda or cuda:N")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        p.error(f"--device {a.device}: {torch.cuda.device_count()} CUDA device(s) visible (hint: --device cpu)")
+    device = parse_device(p, a.device)
     try:
         score(a, p, device)
     except INPUT_ERRORS as e:
@@ -85,12 +66,7 @@ def score(a: argparse.Namespace, p: argparse.ArgumentParser, device: torch.devic
         if not f.is_file():
             p.error(f"--code {f}: no such file (hint: the files that ship with the artifact, e.g. a record folder's "
                     "train_gpt.py and config.toml)")
-    pattern = str(Path(a.val) / "fineweb_val_*.bin") if Path(a.val).is_dir() else a.val
-    shards, sp = list_shards(pattern), load_sp(a.tokenizer)
-    training = [s for s in shards if Path(s).name.startswith("fineweb_train_")]
-    if training:  # 'DIR/*.bin' matched the training shards too, and they sort first
-        raise ShardError(f"--val {a.val} matches training shards ({Path(training[0]).name} and {len(training) - 1} more): "
-                         "a score on them is no validation score (hint: --val DIR, or 'DIR/fineweb_val_*.bin')")
+    pattern, shards, sp = open_validation(a.val, a.tokenizer)
     model, meta = load_model(Path(a.artifact), device)
     eval_cfg = recorded_eval(meta, a.artifact, context=a.context, stride=a.stride, max_tokens=a.max_tokens,
                              batch_seqs=a.batch_seqs, **a.eval)
@@ -99,16 +75,8 @@ def score(a: argparse.Namespace, p: argparse.ArgumentParser, device: torch.devic
     except ValueError as e:
         p.error(f"{e} (hint: from --context/--stride/--max-tokens/--batch-seqs or eval.KEY=VALUE, else recorded in "
                 f"{a.artifact})")
-    sha = file_sha256(a.tokenizer)
-    require_same_tokenizer(Path(a.artifact), meta, sha)
-    vouched = require_tokenizer(shards, sha, a.tokenizer)
-    tokens = load_tokens(shards, eval_cfg.max_tokens)
-    lut = build_byte_lut(sp)
-    require_token_ids(tokens, min(len(lut.base_bytes), model.cfg.vocab_size), pattern,
-                      f"the tokenizer's ({a.tokenizer}) and the artifact model's")
-    if not vouched:  # no manifest says which tokenizer made the shards: do the ids round-trip through this one?
-        require_round_trip(tokens, sp, pattern, a.tokenizer)
-    require_byte_audit(tokens, sp, lut, pattern, a.tokenizer)  # BPB's denominator, as train.py checks it
+    tokens, lut, sha = checked_tokens(Path(a.artifact), meta, model.cfg.vocab_size, pattern, shards, sp, a.tokenizer,
+                                      eval_cfg.max_tokens)
     result = score_model(Path(a.artifact), model, meta, tokens, lut, eval_cfg, device=device,
                          tokenizer_sha256=sha, progress=lambda line: print(line, file=sys.stderr),
                          shipped_code=shipped_code)

@@ -21,13 +21,21 @@ def test_a_run_counts_the_script_a_record_of_this_tree_ships_and_the_config_boun
     assert generate_script(REPO).encode() == script, "the script is a function of the tree alone"
 
 
+FRONT_END = "training.scoring_inputs"  # the scoring tools' input checks; the scoring itself is training.score's
+
+
 def test_what_scores_an_artifact_ships_in_a_record():
-    """A record scores its artifact with what it ships: everything scripts/evaluate.py imports, itself and the
-    count of a checkout's code (which a record brings its own of) aside."""
+    """A record scores its artifact with what it ships: everything scripts/evaluate.py imports, itself, the count
+    of a checkout's code (which a record brings its own of) and the tools' input checks aside; those checks use
+    nothing a record does not ship."""
     shipped = set(shipped_modules(REPO))
     needed = {name for name in collect_modules(REPO, "scripts.evaluate", stop=(packing.SEAM,))
               if not name.startswith("scripts")}
-    assert not sorted(needed - shipped), "imported to score an artifact, but not in a record's train_gpt.py"
+    assert FRONT_END in needed and FRONT_END not in shipped
+    assert not sorted(needed - shipped - {FRONT_END}), \
+        "imported to score an artifact, but not in a record's train_gpt.py"
+    front_end = set(collect_modules(REPO, FRONT_END, stop=(packing.SEAM,))) - {FRONT_END}
+    assert not sorted(front_end - shipped), "the input checks import what a record does not ship"
     assert not {"training.shipped_code", "training.packing", "training.minify", "training.sources"} & shipped
 
 

@@ -156,13 +156,13 @@ def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT
                           batch_seqs=eval_cfg.batch_seqs, device=device, autocast_dtype=autocast_dtype,
                           rank=rank, world_size=world_size, progress=progress, before_batch=before_batch,
                           compile=eval_cfg.compile)
-    result["score_time_s"] = round(time.perf_counter() - t0, 1)
+    result["score_time_s"] = round(time.perf_counter() - t0, 3)
     if eval_cfg.ttt != "none":
         t0 = time.perf_counter()
         ttt = TTT_PASSES[eval_cfg.ttt](model, val_tokens, lut, eval_cfg, device=device, autocast_dtype=autocast_dtype,
                                        rank=rank, world_size=world_size, progress=progress, before_batch=before_batch)
         result.update(val_loss_ttt=ttt["val_loss"], val_bpb_ttt=ttt["val_bpb"],
-                      ttt_time_s=round(time.perf_counter() - t0, 1))
+                      ttt_time_s=round(time.perf_counter() - t0, 3))
     code = code_bytes() if shipped_code is None else sum(f.stat().st_size for f in shipped_code)
     sizes = check_total(artifact.stat().st_size, code)
     result.update(context=eval_cfg.context, stride=eval_cfg.stride, max_tokens=eval_cfg.max_tokens, ttt=eval_cfg.ttt,
