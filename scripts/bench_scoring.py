@@ -1,0 +1,164 @@
+"""Time an artifact's scoring passes on one device, and estimate each one's time on the whole validation split.
+
+    python -m scripts.bench_scoring --artifact runs/<run>.mhcg --val 'DIR/fineweb_val_*.bin' --tokenizer T.model \\
+        --tokens 524288 --passes none,chunk_sgd,doc_lora --compile false,true
+
+The challenge allows 10 minutes of evaluation on 8xH100, and a record reports its test-time-training pass's time.
+Scoring the whole split once per setting takes tens of minutes on one GPU, so this command times a prefix and
+extrapolates. Each row, one eval.ttt method under one eval.compile setting, loads the artifact afresh (chunk TTT
+trains the weights in place) and first scores the first --warmup-tokens tokens: with eval.compile on, that builds
+the graphs, which the timed pass reuses (Dynamo keeps them with the function's code). It loads the artifact again and
+scores the first --tokens tokens as scripts.evaluate does (training.score.score_model: the plain sliding pass, then
+the TTT pass, each with its own wall clock), with the settings the run recorded (the TTT method's own settings:
+their defaults where the run recorded another method) under any eval.KEY=VALUE given.
+
+The estimate for the full split (--full-tokens, default every token of --val) is the warm-up's seconds plus the
+full count at each pass's timed rate: the passes' work is linear in tokens (windows, chunks, documents), and the
+warm-up also holds the scoring of its own tokens, so the estimate leans high. A TTT row's estimate holds both passes,
+as scripts.evaluate and train.py run them; the plain row is the plain pass alone.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from data.shards import read_header
+from training.config import ConfigError, parse_setting
+from training.eval_config import TTT_METHODS, EvalConfig
+from training.score import load_model, recorded_eval, score_model
+from training.scoring_inputs import INPUT_ERRORS, SETTINGS, checked_tokens, open_validation, parse_device
+
+
+TUNABLE = tuple(key for key in SETTINGS if key not in ("ttt", "compile"))  # the rows set those two
+
+
+@dataclass
+class Row:
+    ttt: str
+    compile: bool
+    warmup_s: float
+    plain_s: float
+    ttt_s: float | None   # None for the plain pass alone
+    tokens: int           # timed tokens
+
+    def rate(self, seconds: float) -> float:
+        return self.tokens / max(seconds, 1e-3)  # score_model rounds to the millisecond
+
+    def full_split_s(self, full_tokens: int) -> float:
+        """The warm-up, then the full count at the timed rate of each pass that runs."""
+        passes = [self.plain_s] + ([self.ttt_s] if self.ttt_s is not None else [])
+        return self.warmup_s + sum(full_tokens / self.rate(s) for s in passes)
+
+
+def parse_list(p: argparse.ArgumentParser, flag: str, text: str, choices: tuple[str, ...]) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    bad = [item for item in items if item not in choices]
+    if bad or not items:
+        p.error(f"{flag} {text!r}: expected a comma-separated list of {', '.join(choices)}")
+    return list(dict.fromkeys(items))  # in order, each once
+
+
+def settings_for(method: str, given: dict) -> dict:
+    """The given eval settings that `method` reads: chunk TTT's learning rate does not apply to the plain row."""
+    reads = EvalConfig(ttt=method, **given).ttt_keys()
+    return {key: value for key, value in given.items() if key in reads}
+
+
+def time_row(artifact: Path, tokens, warmup, lut, settings: dict, device: torch.device) -> Row:
+    """One method under one compile setting: a warm-up on `warmup`, then the timed pass on `tokens`, each on a model
+    loaded afresh from the artifact."""
+    def run(val) -> dict:
+        model, meta = load_model(artifact, device)
+        cfg = recorded_eval(meta, artifact, max_tokens=len(val), **settings)
+        cfg.validate()
+        return score_model(artifact, model, meta, val, lut, cfg, device=device)
+    t0 = time.perf_counter()
+    run(warmup)
+    warmup_s = time.perf_counter() - t0
+    result = run(tokens)
+    return Row(settings["ttt"], settings["compile"], warmup_s, result["score_time_s"], result.get("ttt_time_s"),
+               len(tokens))
+
+
+def format_table(rows: list[Row], full_tokens: int) -> str:
+    lines = [f"| eval.ttt | eval.compile | warm-up s | plain s | plain tokens/s | TTT s | TTT tokens/s | "
+             f"{full_tokens:,} tokens, s (estimate) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ttt = ("—", "—") if r.ttt_s is None else (f"{r.ttt_s:.2f}", f"{r.rate(r.ttt_s):,.0f}")
+        lines.append(f"| {r.ttt} | {str(r.compile).lower()} | {r.warmup_s:.2f} | {r.plain_s:.2f} | "
+                     f"{r.rate(r.plain_s):,.0f} | {ttt[0]} | {ttt[1]} | {r.full_split_s(full_tokens):,.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--artifact", required=True, help="the .mhcg file a run wrote (train.py: runs/<run_id>.mhcg)")
+    p.add_argument("--val", required=True, help="glob of validation shards, or a directory holding fineweb_val_*.bin")
+    p.add_argument("--tokenizer", required=True, help="SentencePiece model the artifact was trained with")
+    p.add_argument("--tokens", type=int, default=524_288, help="validation tokens each timed pass scores")
+    p.add_argument("--warmup-tokens", type=int, default=65_536,
+                   help="tokens of the warm-up pass before each timed one (compiles the graphs with eval.compile)")
+    p.add_argument("--passes", default="none,chunk_sgd,doc_lora",
+                   help=f"eval.ttt methods to time, comma-separated, of {', '.join(TTT_METHODS)}")
+    p.add_argument("--compile", default="false,true", help="eval.compile settings to time each method with")
+    p.add_argument("--full-tokens", type=int, default=0,
+                   help="the token count to estimate for (default 0: every token of --val's shards)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default: cuda where a GPU is visible)")
+    p.add_argument("settings", nargs="*", metavar="eval.KEY=VALUE",
+                   help=f"KEY one of {', '.join(TUNABLE)} (default: the run's, else EvalConfig's)")
+    a = p.parse_args(argv)
+    try:
+        a.eval = dict(parse_setting(item, "eval", TUNABLE) for item in a.settings)
+    except ConfigError as e:
+        p.error(str(e))
+    methods = parse_list(p, "--passes", a.passes, TTT_METHODS)
+    unread = sorted(set(a.eval) - {key for method in methods for key in settings_for(method, a.eval)})
+    if unread:
+        p.error(f"eval.{unread[0]} is read by none of --passes {','.join(methods)}")
+    compiles = [c == "true" for c in parse_list(p, "--compile", a.compile, ("false", "true"))]
+    for flag, value in (("--tokens", a.tokens), ("--warmup-tokens", a.warmup_tokens)):
+        if value < 2:
+            p.error(f"{flag} {value}: expected at least 2 (a target and its context)")
+    if a.full_tokens < 0:
+        p.error(f"--full-tokens {a.full_tokens}: expected 0 (every token of --val) or a positive count")
+    device = parse_device(p, a.device)
+    try:
+        bench(a, methods, compiles, device)
+    except INPUT_ERRORS as e:
+        sys.exit(f"scripts.bench_scoring: {e}")
+    except ValueError as e:  # an eval setting the artifact recorded that this method cannot take
+        sys.exit(f"scripts.bench_scoring: {a.artifact}: {e}")
+
+
+def bench(a: argparse.Namespace, methods: list[str], compiles: list[bool], device: torch.device) -> None:
+    artifact = Path(a.artifact)
+    pattern, shards, sp = open_validation(a.val, a.tokenizer)
+    model, meta = load_model(artifact, device)
+    in_split = sum(read_header(s) for s in shards)
+    if a.tokens > in_split:
+        sys.exit(f"scripts.bench_scoring: --tokens {a.tokens:,}: {pattern} holds {in_split:,} tokens "
+                 f"(hint: --tokens {in_split} or fewer)")
+    tokens, lut, _ = checked_tokens(artifact, meta, model.cfg.vocab_size, pattern, shards, sp, a.tokenizer, a.tokens)
+    del model
+    warmup = tokens[:a.warmup_tokens]
+    full_tokens = a.full_tokens or in_split
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{artifact}: {len(tokens):,} timed tokens, {len(warmup):,} warm-up tokens, on {name}; "
+          f"estimates for {full_tokens:,} tokens", flush=True)
+    rows = []
+    for method in methods:
+        for on in compiles:
+            settings = {**settings_for(method, a.eval), "ttt": method, "compile": on}
+            rows.append(time_row(artifact, tokens, warmup, lut, settings, device))
+            print(f"timed eval.ttt={method} eval.compile={str(on).lower()}", file=sys.stderr, flush=True)
+    print("\n" + format_table(rows, full_tokens))
+
+
+if __name__ == "__main__":
+    main()

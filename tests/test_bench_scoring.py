@@ -1,0 +1,92 @@
+"""scripts.bench_scoring: each method under each compile setting timed on a prefix, and the full-split estimate."""
+import re
+
+import pytest
+
+from conftest import TINY_SEEDS
+from data.shards import list_shards, read_header
+from scripts import bench_scoring
+from scripts.bench_scoring import Row
+
+
+def test_the_estimate_is_the_warm_up_then_the_full_count_at_each_timed_rate():
+    plain = Row("none", False, warmup_s=3.0, plain_s=2.0, ttt_s=None, tokens=1_000)
+    assert plain.full_split_s(10_000) == pytest.approx(3.0 + 20.0)
+    ttt = Row("chunk_sgd", True, warmup_s=10.0, plain_s=2.0, ttt_s=4.0, tokens=1_000)
+    assert ttt.full_split_s(10_000) == pytest.approx(10.0 + 20.0 + 40.0)
+    table = bench_scoring.format_table([plain, ttt], 10_000)
+    assert "| none | false | 3.00 | 2.00 | 500 | — | — | 23.0 |" in table
+    assert "| chunk_sgd | true | 10.00 | 2.00 | 500 | 4.00 | 250 | 70.0 |" in table
+
+
+def table_rows(out: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| eval.ttt")]
+
+
+def test_every_method_and_compile_setting_gets_a_timed_row(tiny_seed_runs, demo_dir, monkeypatch, capsys):
+    """The three methods, eager and compiled (compiled through Dynamo's eager backend: no C++ compiler on the CPU),
+    on a prefix of the tiny run's validation tokens; the estimate defaults to every token of --val."""
+    monkeypatch.setattr("training.evaluate.COMPILE_BACKEND", "eager")
+    artifact = tiny_seed_runs.root / "runs" / f"tiny-run-s{TINY_SEEDS[0]}.mhcg"
+    bench_scoring.main(["--artifact", str(artifact), "--val", str(demo_dir), "--tokenizer",
+                        str(demo_dir / "tokenizer.model"), "--tokens", "600", "--warmup-tokens", "300",
+                        "--device", "cpu", "eval.ttt_chunk_tokens=128", "eval.ttt_lora_chunk=16"])
+    out = capsys.readouterr().out
+    in_split = sum(read_header(s) for s in list_shards(str(demo_dir / "fineweb_val_*.bin")))
+    assert f"600 timed tokens, 300 warm-up tokens, on cpu; estimates for {in_split:,} tokens" in out
+    rows = table_rows(out)
+    assert [(r[0], r[1]) for r in rows] == [(m, c) for m in ("none", "chunk_sgd", "doc_lora")
+                                            for c in ("false", "true")]
+    # an eval setting the artifact's context cannot take is named, with the artifact
+    with pytest.raises(SystemExit, match=r"tiny-run-s7.mhcg: eval.ttt_lora_chunk=48 must be <= eval.context=32"):
+        bench_scoring.main(["--artifact", str(artifact), "--val", str(demo_dir), "--tokenizer",
+                            str(demo_dir / "tokenizer.model"), "--tokens", "600", "--passes", "doc_lora",
+                            "--compile", "false", "--device", "cpu", "eval.ttt_lora_chunk=48"])
+    for method, _, warmup, plain, plain_rate, ttt, ttt_rate, estimate in rows:
+        assert float(warmup) > 0 and float(plain) >= 0 and int(plain_rate.replace(",", "")) > 0
+        assert (ttt == "—") == (method == "none") and (ttt_rate == "—") == (method == "none")
+        assert float(estimate.replace(",", "")) >= float(warmup)
+
+
+def test_the_count_to_estimate_for_can_be_given(tiny_seed_runs, demo_dir, monkeypatch, capsys):
+    """--full-tokens replaces the split's count; the row's timings are fixed here, so the estimate is exact."""
+    def fixed(artifact, tokens, warmup, lut, settings, device):
+        return Row(settings["ttt"], settings["compile"], 1.0, 2.0, None, len(tokens))
+    monkeypatch.setattr(bench_scoring, "time_row", fixed)
+    artifact = tiny_seed_runs.root / "runs" / f"tiny-run-s{TINY_SEEDS[0]}.mhcg"
+    bench_scoring.main(["--artifact", str(artifact), "--val", str(demo_dir), "--tokenizer",
+                        str(demo_dir / "tokenizer.model"), "--tokens", "400", "--warmup-tokens", "200",
+                        "--passes", "none", "--compile", "false", "--full-tokens", "40600000", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "estimates for 40,600,000 tokens" in out
+    assert "| none | false | 1.00 | 2.00 | 200 | — | — | 203,001.0 |" in out  # 1 s + 40.6M tokens at 200 tokens/s
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--passes", "none,sgd"], "--passes 'none,sgd': expected a comma-separated list of none, chunk_sgd, doc_lora"),
+    (["--compile", "yes"], "--compile 'yes': expected a comma-separated list of false, true"),
+    (["--tokens", "1"], "--tokens 1: expected at least 2"),
+    (["--warmup-tokens", "0"], "--warmup-tokens 0: expected at least 2"),
+    (["--full-tokens", "-5"], "--full-tokens -5: expected 0 (every token of --val) or a positive count"),
+    (["--device", "gpu"], "--device 'gpu': expected cpu, cuda or cuda:N"),
+    (["eval.compile=true"], "eval.compile"),
+    (["eval.ttt=chunk_sgd"], "eval.ttt"),
+    (["--passes", "none", "eval.ttt_lr=0.01"], "eval.ttt_lr is read by none of --passes none"),
+])
+def test_bad_flags_are_named_by_the_parser(demo_dir, flags, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench_scoring.main(["--artifact", "a.mhcg", "--val", str(demo_dir), "--tokenizer",
+                            str(demo_dir / "tokenizer.model"), *flags])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bad_input_is_named_in_one_line(tiny_seed_runs, demo_dir, tmp_path):
+    artifact = tiny_seed_runs.root / "runs" / f"tiny-run-s{TINY_SEEDS[0]}.mhcg"
+    base = ["--val", str(demo_dir), "--tokenizer", str(demo_dir / "tokenizer.model"), "--device", "cpu"]
+    with pytest.raises(SystemExit, match=re.escape(f"scripts.bench_scoring: {tmp_path}/gone.mhcg: no such artifact")):
+        bench_scoring.main(["--artifact", str(tmp_path / "gone.mhcg"), *base])
+    in_split = sum(read_header(s) for s in list_shards(str(demo_dir / "fineweb_val_*.bin")))
+    with pytest.raises(SystemExit, match=rf"--tokens {in_split + 1:,}: .* holds {in_split:,} tokens "
+                                         rf"\(hint: --tokens {in_split} or fewer\)"):
+        bench_scoring.main(["--artifact", str(artifact), *base, "--tokens", str(in_split + 1)])
