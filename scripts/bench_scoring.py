@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from data.shards import read_header
-from training.config import ConfigError, parse_setting
 from training.eval_config import TTT_METHODS, EvalConfig
 from training.score import load_model, recorded_eval, score_model
-from training.scoring_inputs import INPUT_ERRORS, SETTINGS, checked_tokens, open_validation, parse_device
+from training.scoring_inputs import (INPUT_ERRORS, SETTINGS, add_scoring_arguments, checked_tokens, open_validation,
+                                     parse_scoring_arguments)
 
 
 TUNABLE = tuple(key for key in SETTINGS if key not in ("ttt", "compile"))  # the rows set those two
@@ -97,9 +97,7 @@ def format_table(rows: list[Row], full_tokens: int) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifact", required=True, help="the .mhcg file a run wrote (train.py: runs/<run_id>.mhcg)")
-    p.add_argument("--val", required=True, help="glob of validation shards, or a directory holding fineweb_val_*.bin")
-    p.add_argument("--tokenizer", required=True, help="SentencePiece model the artifact was trained with")
+    add_scoring_arguments(p, TUNABLE, "default: the run's, else EvalConfig's")
     p.add_argument("--tokens", type=int, default=524_288, help="validation tokens each timed pass scores")
     p.add_argument("--warmup-tokens", type=int, default=65_536,
                    help="tokens of the warm-up pass before each timed one (compiles the graphs with eval.compile)")
@@ -108,15 +106,7 @@ def main(argv=None) -> None:
     p.add_argument("--compile", default="false,true", help="eval.compile settings to time each method with")
     p.add_argument("--full-tokens", type=int, default=0,
                    help="the token count to estimate for (default 0: every token of --val's shards)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu, cuda or cuda:N (default: cuda where a GPU is visible)")
-    p.add_argument("settings", nargs="*", metavar="eval.KEY=VALUE",
-                   help=f"KEY one of {', '.join(TUNABLE)} (default: the run's, else EvalConfig's)")
-    a = p.parse_args(argv)
-    try:
-        a.eval = dict(parse_setting(item, "eval", TUNABLE) for item in a.settings)
-    except ConfigError as e:
-        p.error(str(e))
+    a = parse_scoring_arguments(p, argv, TUNABLE)
     methods = parse_list(p, "--passes", a.passes, TTT_METHODS)
     unread = sorted(set(a.eval) - {key for method in methods for key in settings_for(method, a.eval)})
     if unread:
@@ -127,9 +117,8 @@ def main(argv=None) -> None:
             p.error(f"{flag} {value}: expected at least 2 (a target and its context)")
     if a.full_tokens < 0:
         p.error(f"--full-tokens {a.full_tokens}: expected 0 (every token of --val) or a positive count")
-    device = parse_device(p, a.device)
     try:
-        bench(a, methods, compiles, device)
+        bench(a, methods, compiles, a.device)
     except INPUT_ERRORS as e:
         sys.exit(f"scripts.bench_scoring: {e}")
     except ValueError as e:  # an eval setting the artifact recorded that this method cannot take

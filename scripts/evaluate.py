@@ -25,16 +25,14 @@ from pathlib import Path
 import torch
 
 from quant.container import ArtifactError
-from training.config import ConfigError, parse_setting
 from training.score import load_model, recorded_eval, score_model
-from training.scoring_inputs import INPUT_ERRORS, SETTINGS, checked_tokens, open_validation, parse_device
+from training.scoring_inputs import (INPUT_ERRORS, SETTINGS, add_scoring_arguments, checked_tokens, open_validation,
+                                     parse_scoring_arguments)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifact", required=True, help="the .mhcg file a run wrote (train.py: runs/<run_id>.mhcg)")
-    p.add_argument("--val", required=True, help="glob of validation shards, or a directory holding fineweb_val_*.bin")
-    p.add_argument("--tokenizer", required=True, help="SentencePiece model the artifact was trained with")
+    add_scoring_arguments(p, SETTINGS, "default: the run's; compile: false")
     p.add_argument("--context", type=int, help="window length in tokens (default: the run's eval.context)")
     p.add_argument("--stride", type=int, help="0 = non-overlapping windows (default: the run's eval.stride)")
     p.add_argument("--batch-seqs", type=int, help="windows per forward pass (default: the run's eval.batch_seqs)")
@@ -43,18 +41,9 @@ def main(argv=None) -> None:
     p.add_argument("--code", nargs="+", metavar="FILE",
                    help="the code that ships with the artifact, counted in its total in place of this repository's "
                         "(a record's train_gpt.py and config.toml)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu, cuda or cuda:N (default: cuda where a GPU is visible)")
-    p.add_argument("settings", nargs="*", metavar="eval.KEY=VALUE",
-                   help=f"KEY one of {', '.join(SETTINGS)} (default: the run's; compile: false)")
-    a = p.parse_args(argv)
+    a = parse_scoring_arguments(p, argv, SETTINGS)
     try:
-        a.eval = dict(parse_setting(item, "eval", SETTINGS) for item in a.settings)
-    except ConfigError as e:
-        p.error(str(e))
-    device = parse_device(p, a.device)
-    try:
-        score(a, p, device)
+        score(a, p, a.device)
     except INPUT_ERRORS as e:
         sys.exit(f"scripts.evaluate: {e}")
 

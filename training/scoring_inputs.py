@@ -12,6 +12,7 @@ from data.loader import load_tokens
 from data.shards import ShardError, list_shards, require_token_ids, require_tokenizer
 from data.tokenizer import TokenizerError, build_byte_lut, file_sha256, load_sp, require_round_trip
 from quant.container import ArtifactError, CodecUnavailable
+from training.config import ConfigError, parse_setting
 from training.eval_config import EVAL_RECORDED
 from training.evaluate import ByteAuditError, require_byte_audit
 from training.score import require_same_tokenizer
@@ -23,6 +24,29 @@ from training.score import require_same_tokenizer
 # eval.compile, which the artifact does not record (it changes how fast a machine scores, not what is scored).
 SETTINGS = tuple(key for key in EVAL_RECORDED if key.startswith("ttt")) + ("compile",)
 INPUT_ERRORS = (ArtifactError, ShardError, TokenizerError, ByteAuditError, CodecUnavailable, FileNotFoundError)
+
+
+def add_scoring_arguments(p: argparse.ArgumentParser, settings: tuple[str, ...], settings_default: str) -> None:
+    """What every scoring command reads: --artifact, --val, --tokenizer, --device, and eval.KEY=VALUE for the keys
+    of `settings` (parsed by parse_scoring_arguments)."""
+    p.add_argument("--artifact", required=True, help="the .mhcg file a run wrote (train.py: runs/<run_id>.mhcg)")
+    p.add_argument("--val", required=True, help="glob of validation shards, or a directory holding fineweb_val_*.bin")
+    p.add_argument("--tokenizer", required=True, help="SentencePiece model the artifact was trained with")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default: cuda where a GPU is visible)")
+    p.add_argument("settings", nargs="*", metavar="eval.KEY=VALUE",
+                   help=f"KEY one of {', '.join(settings)} ({settings_default})")
+
+
+def parse_scoring_arguments(p: argparse.ArgumentParser, argv, settings: tuple[str, ...]) -> argparse.Namespace:
+    """The command line, with its eval.KEY=VALUE settings as a dict (a.eval) and --device as a torch.device."""
+    a = p.parse_args(argv)
+    try:
+        a.eval = dict(parse_setting(item, "eval", settings) for item in a.settings)
+    except ConfigError as e:
+        p.error(str(e))
+    a.device = parse_device(p, a.device)
+    return a
 
 
 def parse_device(p: argparse.ArgumentParser, text: str) -> torch.device:
