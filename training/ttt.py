@@ -69,10 +69,11 @@ def sum_gradients(params: list[torch.nn.Parameter], world_size: int) -> None:
 
 
 def train_on_chunk(model: torch.nn.Module, optimizer: torch.optim.Optimizer, all_tokens: torch.Tensor,
-                   starts: list[int], *, seq_len: int, epochs: int, batch_seqs: int, device: torch.device, amp,
+                   starts: list[int], *, seq_len: int, epochs: int, batch_seqs: int, amp,
                    rank: int, world_size: int, before_batch: Callable[[], None] | None, compile: bool) -> None:
     """`epochs` epochs over the sequences of seq_len tokens at `starts`, batch_seqs of them per step. Each rank takes
-    its share of a step's sequences and the gradients are summed, so every rank steps to the same weights.
+    its share of a step's sequences and the gradients are summed, so every rank steps to the same weights. all_tokens
+    (int64 [n]) is on the model's device, where each step's sequences are gathered.
     compile (eval.compile): the loss through torch.compile, with static shapes: a rank's share of a full step and of
     a chunk's last, smaller one are the only row counts, so one or two graphs."""
     loss_fn = compiled(model, compile, dynamic=False)
@@ -87,7 +88,7 @@ def train_on_chunk(model: torch.nn.Module, optimizer: torch.optim.Optimizer, all
             mine = step[rank * len(step) // world_size:(rank + 1) * len(step) // world_size]
             optimizer.zero_grad(set_to_none=True)
             if mine:
-                seqs = all_tokens[torch.tensor(mine).to(all_tokens.device)[:, None] + offsets].to(device)
+                seqs = all_tokens[torch.tensor(mine, device=all_tokens.device)[:, None] + offsets]
                 with amp:
                     loss = loss_fn(seqs[:, :-1], seqs[:, 1:])
                 # this rank's mean over its sequences, weighted so that the ranks' sum is the step's mean
@@ -143,7 +144,7 @@ def ttt_scores(model: torch.nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Ev
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(cfg.ttt_lr, c, len(chunks))
         train_on_chunk(model, optimizer, all_tokens, starts, seq_len=cfg.context, epochs=cfg.ttt_epochs,
-                       batch_seqs=cfg.ttt_batch_seqs, device=device, amp=amp, rank=rank, world_size=world_size,
+                       batch_seqs=cfg.ttt_batch_seqs, amp=amp, rank=rank, world_size=world_size,
                        before_batch=before_batch, compile=cfg.compile)
 
 

@@ -225,9 +225,9 @@ def score_documents(model: nn.Module, adapters: Adapters, batch: list[tuple[int,
 
 
 def train_on_scored(model: nn.Module, all_tokens: torch.Tensor, through: int, scored_through: int, cfg: EvalConfig,
-                    *, device: torch.device, amp, rank: int, world_size: int,
-                    before_batch: Callable[[], None] | None) -> None:
-    """One phase: the model's weights train on targets 1..through, which must all be scored."""
+                    *, amp, rank: int, world_size: int, before_batch: Callable[[], None] | None) -> None:
+    """One phase: the model's weights train on targets 1..through (all_tokens on the model's device), which must all
+    be scored."""
     if through > scored_through:  # the construction of the phases makes this impossible
         raise RuntimeError(f"a phase of test-time training would train on target {through}, scored only through "
                            f"{scored_through}")
@@ -239,8 +239,7 @@ def train_on_scored(model: nn.Module, all_tokens: torch.Tensor, through: int, sc
             group["lr"] = cosine_lr(cfg.ttt_phase_lr, c, n_chunks)
         train_on_chunk(model, optimizer, all_tokens, training_starts(c, through, cfg.ttt_chunk_tokens, cfg.context),
                        seq_len=cfg.context, epochs=cfg.ttt_phase_epochs, batch_seqs=cfg.ttt_batch_seqs,
-                       device=device, amp=amp, rank=rank, world_size=world_size, before_batch=before_batch,
-                       compile=cfg.compile)
+                       amp=amp, rank=rank, world_size=world_size, before_batch=before_batch, compile=cfg.compile)
 
 
 def doc_lora_scores(model: nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: EvalConfig, *, device: torch.device,
@@ -282,8 +281,8 @@ def doc_lora_scores(model: nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Eva
             if k < len(plan) - 1:
                 for p in trainable:
                     p.requires_grad_(True)
-                train_on_scored(model, all_tokens, phase_end(docs, segment), scored_through, cfg, device=device,
-                                amp=amp, rank=rank, world_size=world_size, before_batch=before_batch)
+                train_on_scored(model, all_tokens, phase_end(docs, segment), scored_through, cfg, amp=amp, rank=rank,
+                                world_size=world_size, before_batch=before_batch)
     finally:
         model.load_state_dict(saved)
         for p in trainable:
