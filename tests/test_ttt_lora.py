@@ -4,6 +4,7 @@ change the scores; batching and ranks do not; the model leaves the pass with its
 import json
 import os
 import re
+from contextlib import nullcontext
 from dataclasses import replace
 
 import numpy as np
@@ -146,6 +147,34 @@ def test_batching_does_not_change_the_scores():
         assert torch.equal(per_target_nll(tokens, replace(SMALL, ttt_lora_docs=docs)), reference), docs
 
 
+def test_a_chunk_reads_only_the_rows_still_scoring(monkeypatch):
+    """Chunk c's pass holds the batch's documents with targets from chunk c on (longest first, so a prefix) and no
+    row for one that has ended, but never fewer than two rows where a batch may hold two (a row count of one would
+    compile graphs of its own). Segment 4-8 in one batch of five: 70, 70, 59, 30 and 10 targets, chunks of 8."""
+    shapes, real = [], ttt_lora.adapted_nll
+
+    def spy(model, head, x, y):
+        shapes.append(tuple(x.shape))
+        return real(model, head, x, y)
+    monkeypatch.setattr(ttt_lora, "adapted_nll", spy)
+    per_target_nll(documents(), replace(SMALL, ttt_lora_docs=5))
+    windows = [8, 16, 24, 32, 32, 32, 32, 32, 32, 32]
+    first_segments = [(2, w) for w in windows[:6]] + [(2, w) for w in windows]  # documents 0-1 (45, 25), 2-3 (80, 10)
+    rows = [5, 5, 4, 4, 3, 3, 3, 3, 2]  # ends after chunk 1 (10 targets), 3 (30) and 7 (59)
+    assert shapes == first_segments + list(zip(rows, windows))
+    shapes.clear()
+    per_target_nll(documents(), replace(SMALL, ttt_lora_docs=1))
+    assert {r for r, _ in shapes} == {1}
+
+
+def test_a_batch_must_come_longest_first():
+    model = tiny_model()
+    tokens = torch.from_numpy(documents().astype(np.int64))
+    with pytest.raises(ValueError, match="the batch's documents must come longest first"):
+        next(ttt_lora.score_documents(model, ttt_lora.Adapters(model, 4, 2, CPU), [(45, 25), (70, 80)], tokens,
+                                      tokens, SMALL, amp=nullcontext(), before_batch=None, nll_fn=ttt_lora.adapted_nll))
+
+
 def test_an_adapter_step_on_targets_not_yet_scored_stops(monkeypatch):
     """Training a chunk's adapters on the next chunk would let those targets' scores depend on themselves."""
     real = ttt_lora.trained_targets
@@ -202,6 +231,12 @@ def test_compiled_doc_lora_scores_as_eager_in_three_graphs(monkeypatch):
         nll = per_target_nll(changed, cfg, plain_model())
         assert torch.equal(nll[:78], compiled[:78]) and not torch.equal(nll[78:], compiled[78:])
         assert counter.frame_count == 3
+        # adapters of five rows are parameters of other shapes: two graphs more (with and without the gradient), and
+        # none for the chunks' row counts, five down to two
+        five = replace(SMALL, ttt_lora_docs=5)
+        reference = per_target_nll(tokens, five, plain_model())
+        assert torch.equal(per_target_nll(tokens, replace(five, compile=True), plain_model()), reference)
+        assert counter.frame_count == 5
     finally:
         torch._dynamo.reset()
 

@@ -22,10 +22,13 @@ chunk left out, with a fresh optimizer. The next segment is scored with those we
 
 Batches. Within a segment every document sees the same base weights and nothing of the others, so the order does not
 change a score: the segment's documents are sorted by length and adapted eval.ttt_lora_docs at a time, as the rows
-of one batch (padded to that many rows, so every forward pass has one of a few shapes: [docs, min((c+1)·chunk,
-context)] at chunk c), and the batches are dealt to the ranks in turn. Padding rows and window tails hold token 0,
-never a later token. When the pass ends the model gets back the weights it came with: the shipped artifact and
-its plain score are untouched; the pass reports its own score.
+of one batch, longest first, and the batches are dealt to the ranks in turn. Chunk c's forward pass reads the rows
+whose documents still have targets from chunk c on (a prefix of the batch), never fewer than two rows where
+eval.ttt_lora_docs allows two (a padding row beside a lone document), over min((c+1)·chunk, context) positions: a
+document that has ended costs nothing more, so a batch's work is its documents' own and does not grow with its
+longest one. The shapes vary in both sizes and share the compiled graphs (a row count of one would take graphs of
+its own). Window tails and padding rows hold token 0, never a later token. When the pass ends the model gets back
+the weights it came with: the shipped artifact and its plain score are untouched; the pass reports its own score.
 
 The records' procedure ("phased TTT"), whose settings are the defaults (training/config.py):
   [1] https://github.com/openai/parameter-golf/tree/main/records/track_10min_16mb/2026-04-14_MultiPhaseGlobalSGD_PhasedTTT
@@ -123,8 +126,10 @@ class LoRA(nn.Module):
             b.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = (x @ self.a.transpose(1, 2)).split(self.rank, dim=-1)
-        return torch.cat([part @ b.transpose(1, 2) for part, b in zip(h, self.b)], dim=-1)
+        """x holds the batch's first x.shape[0] documents (the rows a chunk still scores)."""
+        rows = x.shape[0]
+        h = (x @ self.a[:rows].transpose(1, 2)).split(self.rank, dim=-1)
+        return torch.cat([part @ b[:rows].transpose(1, 2) for part, b in zip(h, self.b)], dim=-1)
 
 
 class Adapters(nn.Module):
@@ -178,12 +183,15 @@ def adapted_nll(model: nn.Module, head: LoRA, x: torch.Tensor, y: torch.Tensor) 
 def score_documents(model: nn.Module, adapters: Adapters, batch: list[tuple[int, int]], all_tokens: torch.Tensor,
                     all_bytes: torch.Tensor, cfg: EvalConfig, *, amp, before_batch: Callable[[], None] | None,
                     nll_fn: Callable) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Score the documents of `batch` (start, number of targets; padded to cfg.ttt_lora_docs rows) chunk by chunk,
-    each chunk before the adapter step that trains on it, with nll_fn (adapted_nll, or its compiled wrapper). Yields
-    (target index, NLL in nats as float64, bytes, scored) [docs, T] per chunk, `scored` marking the targets the
-    chunk scores. Tensors live on all_tokens' device."""
+    """Score the documents of `batch` (start, number of targets; longest first, at most cfg.ttt_lora_docs) chunk by
+    chunk, each chunk before the adapter step that trains on it, with nll_fn (adapted_nll, or its compiled wrapper).
+    Yields (target index, NLL in nats as float64, bytes, scored) [rows, T] per chunk, `scored` marking the targets
+    the chunk scores. Tensors live on all_tokens' device."""
     device, chunk_len, window = all_tokens.device, cfg.ttt_lora_chunk, cfg.context
-    rows = batch + [(0, 0)] * (cfg.ttt_lora_docs - len(batch))  # a padding row has no target
+    if any(a[1] < b[1] for a, b in zip(batch, batch[1:])):
+        raise ValueError("score_documents: the batch's documents must come longest first")
+    # a padding row has no target; one only where a batch of one document would make the row count 1
+    rows = batch + [(0, 0)] * (min(2, cfg.ttt_lora_docs) - len(batch))
     starts, n_targets = torch.tensor(rows, dtype=torch.int64).T
     # One copy to the device a batch: every chunk's [docs] and [docs, T] numbers are made there (a copy from
     # pageable memory would wait for the device at every chunk); the host keeps its own for the guard.
@@ -195,10 +203,12 @@ def score_documents(model: nn.Module, adapters: Adapters, batch: list[tuple[int,
     for c in range(math.ceil(max(n for _, n in batch) / chunk_len)):
         if before_batch is not None:
             before_batch()
-        end = n_targets_d.clamp(max=(c + 1) * chunk_len)  # past the chunk's last target; <= c·chunk_len: done
+        # the rows still scoring (a prefix: longest first), never fewer than two where there are two (the docstring)
+        active = max(int((n_targets > c * chunk_len).sum()), min(2, len(rows)))
+        end = n_targets_d[:active].clamp(max=(c + 1) * chunk_len)  # past the chunk's last target; <= c·chunk_len: done
         low = (end - window).clamp(min=0)  # the window's first input, document-relative
         pos = torch.arange(min((c + 1) * chunk_len, window), device=device)
-        inputs = (starts_d + low)[:, None] + pos  # absolute index of each input; its target is the next token
+        inputs = (starts_d[:active] + low)[:, None] + pos  # absolute index of each input; its target is the next token
         valid = pos < (end - low)[:, None]
         inputs = torch.where(valid, inputs, 0)
         x, y = torch.where(valid, all_tokens[inputs], 0), torch.where(valid, all_tokens[inputs + 1], 0)
@@ -217,7 +227,7 @@ def score_documents(model: nn.Module, adapters: Adapters, batch: list[tuple[int,
             d = int(late.nonzero()[0])
             raise RuntimeError(f"test-time training would train the adapters on target {int(starts[d] + stop[d])} of "
                                f"the document at {int(starts[d])}, scored only through {int(starts[d] + scored_to[d])}")
-        first_d, stop_d = trained_targets(c, n_targets_d, chunk_len)
+        first_d, stop_d = trained_targets(c, n_targets_d[:active], chunk_len)
         trained = (relative >= first_d[:, None]) & (relative < stop_d[:, None]) & valid
         optimizer.zero_grad(set_to_none=True)
         (torch.where(trained, nll, 0).sum() / chunk_len).backward()  # the sum of the documents' chunk means
@@ -256,8 +266,8 @@ def doc_lora_scores(model: nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Eva
     was_training = model.training
     model.eval()  # train_on_chunk leaves it so after each phase too
     adapters = Adapters(model, cfg.ttt_lora_rank, cfg.ttt_lora_docs, device)
-    # eval.compile: the ~context/ttt_lora_chunk window lengths share one graph with the sequence length symbolic
-    # (two: with and without the adapters' gradient, at a batch's last chunk)
+    # eval.compile: the ~context/ttt_lora_chunk window lengths and the chunks' row counts share one graph, both sizes
+    # symbolic (two: with and without the adapters' gradient, at a batch's last chunk)
     nll_fn = compiled(adapted_nll, cfg.compile, dynamic=True)
     plan = segments(len(docs), cfg.ttt_phase_docs, cfg.ttt_phases)
     batches = [segment_batches(docs, segment, cfg.ttt_lora_docs)[rank::world_size] for segment in plan]
