@@ -12,10 +12,15 @@ scores the first --tokens tokens as scripts.evaluate does (training.score.score_
 the TTT pass, each with its own wall clock), with the settings the run recorded (the TTT method's own settings:
 their defaults where the run recorded another method) under any eval.KEY=VALUE given.
 
-The estimate for the full split (--full-tokens, default every token of --val) is the warm-up's seconds plus the
-full count at each pass's timed rate: the passes' work is linear in tokens (windows, chunks, documents), and the
-warm-up also holds the scoring of its own tokens, so the estimate leans high. A TTT row's estimate holds both passes,
-as scripts.evaluate and train.py run them; the plain row is the plain pass alone.
+The estimate for the full split (--full-tokens, default every token of --val) is the warm-up's seconds plus each
+pass's timed seconds scaled to the split: by tokens for the plain and chunk passes, whose work is linear in tokens
+(windows, chunks); by the window positions its chunks compute for the document-LoRA pass
+(training.ttt_lora.chunk_positions), whose work per token grows with the documents' lengths, so a prefix of a few
+hundred documents is not the split in small. With --full-tokens the split's documents are not at hand, and the
+prefix's positions per token stand for them. The warm-up also holds the scoring of its own tokens, so the estimate
+leans high. A TTT row's estimate holds both passes, as scripts.evaluate and train.py run them; the plain row is the
+plain pass alone. A document-LoRA pass whose prefix holds too few documents for a phase (eval.ttt_phase_docs over
+eval.ttt_phases) times no phase of global SGD; the command says so, as the estimate then leaves them out.
 """
 from __future__ import annotations
 
@@ -25,11 +30,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from data.loader import load_tokens
 from data.shards import read_header
 from training.eval_config import TTT_METHODS, EvalConfig
 from training.score import load_model, recorded_eval, score_model
+from training.ttt_lora import chunk_positions, segments, split_documents
 from training.scoring_inputs import (INPUT_ERRORS, SETTINGS, add_scoring_arguments, checked_tokens, open_validation,
                                      parse_scoring_arguments)
 
@@ -45,14 +53,17 @@ class Row:
     plain_s: float
     ttt_s: float | None   # None for the plain pass alone
     tokens: int           # timed tokens
+    ttt_work: float | None = None  # the split's TTT work over the timed pass's, where not the token ratio
 
     def rate(self, seconds: float) -> float:
         return self.tokens / max(seconds, 1e-3)  # score_model rounds to the millisecond
 
     def full_split_s(self, full_tokens: int) -> float:
-        """The warm-up, then the full count at the timed rate of each pass that runs."""
-        passes = [self.plain_s] + ([self.ttt_s] if self.ttt_s is not None else [])
-        return self.warmup_s + sum(full_tokens / self.rate(s) for s in passes)
+        """The warm-up, then each pass that runs scaled to the split: by tokens, or by the TTT pass's work ratio."""
+        seconds = self.warmup_s + full_tokens / self.rate(self.plain_s)
+        if self.ttt_s is not None:
+            seconds += self.ttt_s * (self.ttt_work if self.ttt_work is not None else full_tokens / self.tokens)
+        return seconds
 
 
 def parse_list(p: argparse.ArgumentParser, flag: str, text: str, choices: tuple[str, ...]) -> list[str]:
@@ -83,6 +94,24 @@ def time_row(artifact: Path, tokens, warmup, lut, settings: dict, device: torch.
     result = run(tokens)
     return Row(settings["ttt"], settings["compile"], warmup_s, result["score_time_s"], result.get("ttt_time_s"),
                len(tokens))
+
+
+def lora_work_lines(cfg: EvalConfig, timed: np.ndarray, full: np.ndarray | None) -> tuple[float | None, list[str]]:
+    """The document-LoRA row's work ratio (the split's chunk positions over the timed tokens'; None without the
+    split's tokens: the token ratio) and what to say about it: positions per token, and phases the timed tokens hold
+    too few documents for."""
+    timed_work, lines = chunk_positions(timed, cfg), []
+    ratio = None if full is None else chunk_positions(full, cfg) / timed_work
+    split = "" if full is None else f", {ratio * timed_work / len(full):.1f} in the split"
+    lines.append(f"doc_lora: {timed_work / len(timed):.1f} window positions a token in the timed tokens{split}")
+    split_docs = 1 << 62 if full is None else len(split_documents(full))  # unknown: as many as there are phases
+    timed_docs, phases = len(split_documents(timed)), len(segments(split_docs, cfg.ttt_phase_docs, cfg.ttt_phases)) - 1
+    if phases and len(segments(timed_docs, cfg.ttt_phase_docs, cfg.ttt_phases)) == 1:
+        lines.append(f"doc_lora: the timed tokens hold {timed_docs:,} documents, and the first phase of global SGD "
+                     f"follows {cfg.ttt_phase_docs // cfg.ttt_phases:,} (eval.ttt_phase_docs {cfg.ttt_phase_docs} "
+                     f"in {cfg.ttt_phases} phases): no phase is timed, and the estimate leaves the split's {phases} "
+                     "out")
+    return ratio, lines
 
 
 def format_table(rows: list[Row], full_tokens: int) -> str:
@@ -140,13 +169,17 @@ def bench(a: argparse.Namespace, methods: list[str], compiles: list[bool], devic
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{artifact}: {len(tokens):,} timed tokens, {len(warmup):,} warm-up tokens, on {name}; "
           f"estimates for {full_tokens:,} tokens", flush=True)
-    rows = []
+    full = load_tokens(shards) if a.full_tokens == 0 and "doc_lora" in methods else None
+    rows, notes = [], []
     for method in methods:
         for on in compiles:
             settings = {**settings_for(method, a.eval), "ttt": method, "compile": on}
             rows.append(time_row(artifact, tokens, warmup, lut, settings, device))
+            if method == "doc_lora":
+                rows[-1].ttt_work, lines = lora_work_lines(recorded_eval(meta, artifact, **settings), tokens, full)
+                notes += [line for line in lines if line not in notes]
             print(f"timed eval.ttt={method} eval.compile={str(on).lower()}", file=sys.stderr, flush=True)
-    print("\n" + format_table(rows, full_tokens))
+    print("\n" + format_table(rows, full_tokens) + "".join("\n" + line for line in notes))
 
 
 if __name__ == "__main__":

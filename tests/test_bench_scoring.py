@@ -1,12 +1,16 @@
 """scripts.bench_scoring: each method under each compile setting timed on a prefix, and the full-split estimate."""
 import re
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from conftest import TINY_SEEDS
 from data.shards import list_shards, read_header
 from scripts import bench_scoring
 from scripts.bench_scoring import Row
+from training import ttt_lora
+from training.eval_config import EvalConfig
 
 
 def test_the_estimate_is_the_warm_up_then_the_full_count_at_each_timed_rate():
@@ -17,6 +21,36 @@ def test_the_estimate_is_the_warm_up_then_the_full_count_at_each_timed_rate():
     table = bench_scoring.format_table([plain, ttt], 10_000)
     assert "| none | false | 3.00 | 2.00 | 500 | — | — | 23.0 |" in table
     assert "| chunk_sgd | true | 10.00 | 2.00 | 500 | 4.00 | 250 | 70.0 |" in table
+
+
+def test_a_document_lora_row_scales_its_ttt_time_by_work():
+    """The plain pass by tokens (10x), the document-LoRA pass by its chunks' window positions (given here: 4x)."""
+    row = Row("doc_lora", False, warmup_s=1.0, plain_s=2.0, ttt_s=5.0, tokens=1_000, ttt_work=4.0)
+    assert row.full_split_s(10_000) == pytest.approx(1.0 + 20.0 + 20.0)
+
+
+def test_the_work_ratio_reads_the_documents_and_names_untimed_phases():
+    """Documents of 40 targets in the timed tokens, of 200 in the split (BOS, token 1, opens each): per token the
+    split's chunks compute more positions, and the ratio is the two passes' own counts."""
+    def docs(n_docs: int, targets: int) -> np.ndarray:
+        tokens = np.full(n_docs * targets + 1, 7, dtype=np.uint16)
+        tokens[::targets] = 1
+        return tokens
+    cfg = EvalConfig(context=64, ttt="doc_lora", ttt_lora_chunk=8, ttt_lora_docs=4, ttt_phase_docs=6, ttt_phases=2)
+    timed, split = docs(3, 40), docs(20, 200)
+    ratio, lines = bench_scoring.lora_work_lines(cfg, timed, split)
+    assert ratio == ttt_lora.chunk_positions(split, cfg) / ttt_lora.chunk_positions(timed, cfg)
+    per_token = ttt_lora.chunk_positions(split, cfg) / len(split)
+    assert per_token > ttt_lora.chunk_positions(timed, cfg) / len(timed)
+    assert lines[0] == (f"doc_lora: {ttt_lora.chunk_positions(timed, cfg) / len(timed):.1f} window positions a token "
+                        f"in the timed tokens, {per_token:.1f} in the split")
+    assert lines[1] == ("doc_lora: the timed tokens hold 3 documents, and the first phase of global SGD follows 3 "
+                        "(eval.ttt_phase_docs 6 in 2 phases): no phase is timed, and the estimate leaves the split's 2 "
+                        "out")
+    assert bench_scoring.lora_work_lines(cfg, split, split) == (1.0, [lines[0].replace(
+        f"{ttt_lora.chunk_positions(timed, cfg) / len(timed):.1f}", f"{per_token:.1f}", 1)])  # 20 documents: phases
+    ratio, lines = bench_scoring.lora_work_lines(replace(cfg, ttt_phases=0), timed, None)  # --full-tokens: no split
+    assert ratio is None and len(lines) == 1 and lines[0].endswith("in the timed tokens")
 
 
 def table_rows(out: str) -> list[list[str]]:
@@ -36,6 +70,10 @@ def test_every_method_and_compile_setting_gets_a_timed_row(tiny_seed_runs, demo_
     in_split = sum(read_header(s) for s in list_shards(str(demo_dir / "fineweb_val_*.bin")))
     assert f"600 timed tokens, 300 warm-up tokens, on cpu; estimates for {in_split:,} tokens" in out
     rows = table_rows(out)
+    # the document-LoRA rows scale by their chunks' positions, from every document of --val; the whole split holds
+    # too few documents for the default phases, so the estimate leaves none out
+    assert re.search(r"\ndoc_lora: [\d.]+ window positions a token in the timed tokens, [\d.]+ in the split\n", out)
+    assert "no phase is timed" not in out
     assert [(r[0], r[1]) for r in rows] == [(m, c) for m in ("none", "chunk_sgd", "doc_lora")
                                             for c in ("false", "true")]
     # an eval setting the artifact's context cannot take is named, with the artifact

@@ -99,6 +99,31 @@ def segment_batches(docs: list[tuple[int, int]], segment: range, per_batch: int)
     return [order[i:i + per_batch] for i in range(0, len(order), per_batch)]
 
 
+def batch_rows(batch: list[tuple[int, int]], docs_per_batch: int) -> list[tuple[int, int]]:
+    """The rows of a batch (start, number of targets): its documents, and a padding row with no target beside a lone
+    document where a batch may hold two (a row count of one would take compiled graphs of its own)."""
+    return batch + [(0, 0)] * (min(2, docs_per_batch) - len(batch))
+
+
+def chunk_rows(lengths: list[int], chunk: int, chunk_len: int) -> int:
+    """The rows chunk `chunk`'s pass computes, of rows whose documents hold `lengths` targets, longest first: those
+    with targets from the chunk on (a prefix), never fewer than two where there are two."""
+    return max(sum(1 for n in lengths if n > chunk * chunk_len), min(2, len(lengths)))
+
+
+def chunk_positions(tokens: np.ndarray, cfg: EvalConfig) -> int:
+    """The window positions the pass's chunks compute over `tokens` on one rank (rows × window length, summed): the
+    work that sets its time, which grows with the documents' lengths, not with their number of tokens alone."""
+    docs, total = split_documents(tokens), 0
+    for segment in segments(len(docs), cfg.ttt_phase_docs, cfg.ttt_phases):
+        for batch in segment_batches(docs, segment, cfg.ttt_lora_docs):
+            lengths = [n for _, n in batch_rows([docs[d] for d in batch], cfg.ttt_lora_docs)]
+            for c in range(math.ceil(lengths[0] / cfg.ttt_lora_chunk)):
+                window = min((c + 1) * cfg.ttt_lora_chunk, cfg.context)
+                total += chunk_rows(lengths, c, cfg.ttt_lora_chunk) * window
+    return total
+
+
 def trained_targets(chunk: int, n_targets: torch.Tensor, chunk_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The document-relative targets [first, stop) that chunk `chunk`'s adapter step trains on, per document: the
     chunk's own where the document has a later chunk, none at its last chunk (scored, never trained on)."""
@@ -190,8 +215,8 @@ def score_documents(model: nn.Module, adapters: Adapters, batch: list[tuple[int,
     device, chunk_len, window = all_tokens.device, cfg.ttt_lora_chunk, cfg.context
     if any(a[1] < b[1] for a, b in zip(batch, batch[1:])):
         raise ValueError("score_documents: the batch's documents must come longest first")
-    # a padding row has no target; one only where a batch of one document would make the row count 1
-    rows = batch + [(0, 0)] * (min(2, cfg.ttt_lora_docs) - len(batch))
+    rows = batch_rows(batch, cfg.ttt_lora_docs)
+    lengths = [n for _, n in rows]
     starts, n_targets = torch.tensor(rows, dtype=torch.int64).T
     # One copy to the device a batch: every chunk's [docs] and [docs, T] numbers are made there (a copy from
     # pageable memory would wait for the device at every chunk); the host keeps its own for the guard.
@@ -203,8 +228,7 @@ def score_documents(model: nn.Module, adapters: Adapters, batch: list[tuple[int,
     for c in range(math.ceil(max(n for _, n in batch) / chunk_len)):
         if before_batch is not None:
             before_batch()
-        # the rows still scoring (a prefix: longest first), never fewer than two where there are two (the docstring)
-        active = max(int((n_targets > c * chunk_len).sum()), min(2, len(rows)))
+        active = chunk_rows(lengths, c, chunk_len)
         end = n_targets_d[:active].clamp(max=(c + 1) * chunk_len)  # past the chunk's last target; <= c·chunk_len: done
         low = (end - window).clamp(min=0)  # the window's first input, document-relative
         pos = torch.arange(min((c + 1) * chunk_len, window), device=device)
