@@ -50,16 +50,24 @@ def test_muoneqr_at_sp8192_compares_as_the_results_say(tmp_path, monkeypatch, ca
     assert re.search(r"without the margin \(any improvement\): t 3.295, p 0.02025\b", out), out
 
 
-def test_matrix_lr_003_at_sp8192_compares_as_the_results_say(tmp_path, monkeypatch, capsys):
-    """docs/results.md's three seeds of configs/h100_sp8192.toml at optim.matrix_lr=0.03 against the shipped 0.025:
-    lower on average, but not significantly (so the config keeps 0.025). The two sets ran at different commits."""
+RECUR = ("model.recur_start=3", "model.recur_end=5", "model.recur_times=3", "model.recur_at=0.35")
+
+
+@pytest.mark.parametrize("name,overrides,mean,t_p", [
+    ("sp8192-lr030", ("optim.matrix_lr=0.03",), "1.28132, std 0.00089", "t 1.345, p 0.1251"),
+    ("sp8192-recur", RECUR, "1.28100, std 0.00094", "t 1.726, p 0.07976"),
+])
+def test_one_change_at_sp8192_compares_as_the_results_say(name, overrides, mean, t_p, tmp_path, monkeypatch, capsys):
+    """docs/results.md's three seeds of configs/h100_sp8192.toml with optim.matrix_lr=0.03, or with depth recurrence,
+    against the config as shipped: each lower on average, neither significantly (so the config has neither). The
+    sets ran at different commits (and the recurrence's seeds on two kinds of host)."""
     no_run(monkeypatch)
     logs = REPO / "docs" / "run_logs"
-    argv = ["--config", str(REPO / "configs/h100_sp8192.toml"), "--seeds", "1337,42,2025", "--name", "sp8192-lr030",
+    argv = ["--config", str(REPO / "configs/h100_sp8192.toml"), "--seeds", "1337,42,2025", "--name", name,
             "--reuse", "--allow-other-code", "--out", str(tmp_path / "sub"),
             "--baseline", *(str(logs / f"sp8192-muoneqr-s{s}.txt") for s in (1337, 42, 2025)),
-            "--", f"train.log_dir={logs}", "optim.matrix_lr=0.03"]
+            "--", f"train.log_dir={logs}", *overrides]
     assert reproduce.main(argv) == 0
     out = capsys.readouterr().out
-    assert out.count("ok (from its log)") == 3 and "val_bpb: mean 1.28132, std 0.00089" in out
-    assert re.search(r"without the margin \(any improvement\): t 1.345, p 0.1251\b", out), out
+    assert out.count("ok (from its log)") == 3 and f"val_bpb: mean {mean}" in out
+    assert re.search(rf"without the margin \(any improvement\): {re.escape(t_p)}\b", out), out
