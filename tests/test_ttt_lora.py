@@ -129,12 +129,13 @@ def test_fresh_adapters_leave_the_model_as_it_is(features):
     adapters = ttt_lora.Adapters(model, rank=4, docs=3, device=CPU)
     assert len(adapters.sites) == 3 * model.cfg.n_layers  # qkv, the output projection and the MLP of every block
     with torch.no_grad(), ttt_lora.adapted(model, adapters):
-        adapted = ttt_lora.adapted_nll(model, adapters.head, x[:, :-1], x[:, 1:])
-    assert torch.equal(adapted, model.token_nll(x[:, :-1], x[:, 1:]))
+        adapted = ttt_lora.adapted_nll(model, adapters.head, x[:, :-1], x[:, 1:], 32)
+        tail = ttt_lora.adapted_nll(model, adapters.head, x[:, :-1], x[:, 1:], 8)  # the head reads the last 8 alone
+    assert torch.equal(adapted, model.token_nll(x[:, :-1], x[:, 1:])) and torch.equal(tail, adapted[:, -8:])
     with torch.no_grad():
         adapters.loras[2].b[0][0].fill_(0.1)  # the first MLP's (the projections start at zero), document 0 only
         with ttt_lora.adapted(model, adapters):
-            moved = ttt_lora.adapted_nll(model, adapters.head, x[:, :-1], x[:, 1:])
+            moved = ttt_lora.adapted_nll(model, adapters.head, x[:, :-1], x[:, 1:], 32)
     assert not torch.equal(moved[0], adapted[0]) and torch.equal(moved[1:], adapted[1:])
 
 
@@ -153,9 +154,10 @@ def test_a_chunk_reads_only_the_rows_still_scoring(monkeypatch):
     compile graphs of its own). Segment 4-8 in one batch of five: 70, 70, 59, 30 and 10 targets, chunks of 8."""
     shapes, real = [], ttt_lora.adapted_nll
 
-    def spy(model, head, x, y):
+    def spy(model, head, x, y, tail):
         shapes.append(tuple(x.shape))
-        return real(model, head, x, y)
+        assert tail == 8  # the chunk's targets: the head scores no more
+        return real(model, head, x, y, tail)
     monkeypatch.setattr(ttt_lora, "adapted_nll", spy)
     per_target_nll(documents(), replace(SMALL, ttt_lora_docs=5))
     windows = [8, 16, 24, 32, 32, 32, 32, 32, 32, 32]

@@ -26,9 +26,12 @@ of one batch, longest first, and the batches are dealt to the ranks in turn. Chu
 whose documents still have targets from chunk c on (a prefix of the batch), never fewer than two rows where
 eval.ttt_lora_docs allows two (a padding row beside a lone document), over min((c+1)·chunk, context) positions: a
 document that has ended costs nothing more, so a batch's work is its documents' own and does not grow with its
-longest one. The shapes vary in both sizes and share the compiled graphs (a row count of one would take graphs of
-its own). Window tails and padding rows hold token 0, never a later token. When the pass ends the model gets back
-the weights it came with: the shipped artifact and its plain score are untouched; the pass reports its own score.
+longest one. The blocks run over the whole window, whose earlier positions are the chunk's context, but the head
+(vocabulary-wide logits, the softcap and the loss) reads only the window's last eval.ttt_lora_chunk positions, which
+hold the chunk's targets. The shapes vary in both sizes and share the compiled graphs (a row count of one would take
+graphs of its own). Window tails and padding rows hold token 0, never a later token. When the pass ends the model
+gets back the weights it came with: the shipped artifact and its plain score are untouched; the pass reports its own
+score.
 
 The records' procedure ("phased TTT"), whose settings are the defaults (training/config.py):
   [1] https://github.com/openai/parameter-golf/tree/main/records/track_10min_16mb/2026-04-14_MultiPhaseGlobalSGD_PhasedTTT
@@ -43,8 +46,9 @@ and their phases train on the first documents they scored); the phases train on 
 boundaries, as chunk_sgd does (the records' attention stops at them); the output adapter reads the output
 projection's input (the records' reads the attention's input); a block that depth recurrence repeats keeps one
 set of adapters (the records' have one per virtual layer); the phase boundaries stay where they are when the
-validation set is short (see segments); the records' later option of scaling the adapters by alpha/rank and
-keeping A across documents is left out.
+validation set is short (see segments); a chunk's pass computes neither the rows of documents that have ended nor
+the logits of positions before the chunk (the records' computes both, and keeps the chunk's); the records' later
+option of scaling the adapters by alpha/rank and keeping A across documents is left out.
 """
 from __future__ import annotations
 
@@ -194,11 +198,16 @@ def adapted(model: nn.Module, adapters: Adapters):
             handle.remove()
 
 
-def adapted_nll(model: nn.Module, head: LoRA, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Per-token NLL in nats [docs, T] (fp32): GPT.token_nll with `head`'s output added to the logits before the
-    softcap (the other adapters act through their hooks). One call per chunk, of one of a few shapes: the function
-    eval.compile wraps."""
-    h = model.final_norm(model.hidden(x))
+def adapted_nll(model: nn.Module, head: LoRA, x: torch.Tensor, y: torch.Tensor, tail: int) -> torch.Tensor:
+    """Per-token NLL in nats [docs, tail] (fp32) of the last `tail` positions: GPT.token_nll with `head`'s output
+    added to the logits before the softcap (the other adapters act through their hooks). The whole window runs
+    through the blocks, as its earlier positions are the tail's context; the head, whose logits are vocabulary-wide,
+    reads the tail alone. One call per chunk, of one of a few shapes: the function eval.compile wraps."""
+    # a gather, not a slice: a slice is a view, contiguous only when the window is the tail, and the layers below
+    # branch on that (with the length symbolic, a graph each); the gathered copy is always contiguous
+    last = torch.arange(x.shape[1] - tail, x.shape[1], device=x.device)
+    h = model.final_norm(model.hidden(x).index_select(1, last))
+    y = y.index_select(1, last)
     logits = (F.linear(h, model.embed.weight.to(h.dtype)) + head(h)).float()
     cap = model.cfg.logit_softcap
     logits = cap * torch.tanh(logits / cap) if cap > 0 else logits
@@ -236,12 +245,14 @@ def score_documents(model: nn.Module, adapters: Adapters, batch: list[tuple[int,
         valid = pos < (end - low)[:, None]
         inputs = torch.where(valid, inputs, 0)
         x, y = torch.where(valid, all_tokens[inputs], 0), torch.where(valid, all_tokens[inputs + 1], 0)
-        relative = low[:, None] + pos  # document-relative index of each position's target
+        # the chunk's targets are the window's last chunk_len positions at most (it ends at the chunk's last target,
+        # and holds at least chunk_len positions): the head scores those alone
+        inputs, valid, relative = inputs[:, -chunk_len:], valid[:, -chunk_len:], (low[:, None] + pos)[:, -chunk_len:]
         scored = valid & (relative >= c * chunk_len)
         first, stop = trained_targets(c, n_targets, chunk_len)
         training = bool((stop > first).any())
         with torch.set_grad_enabled(training), amp:
-            nll = nll_fn(model, adapters.head, x, y)
+            nll = nll_fn(model, adapters.head, x, y, chunk_len)
         yield inputs + 1, nll.detach().double(), all_bytes[inputs], scored
         scored_to = torch.maximum(scored_to, n_targets.clamp(max=(c + 1) * chunk_len))
         if not training:
