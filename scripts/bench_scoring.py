@@ -19,8 +19,9 @@ pass's timed seconds scaled to the split: by tokens for the plain and chunk pass
 hundred documents is not the split in small. With --full-tokens the split's documents are not at hand, and the
 prefix's positions per token stand for them. The warm-up also holds the scoring of its own tokens, so the estimate
 leans high. A TTT row's estimate holds both passes, as scripts.evaluate and train.py run them; the plain row is the
-plain pass alone. A document-LoRA pass whose prefix holds too few documents for a phase (eval.ttt_phase_docs over
-eval.ttt_phases) times no phase of global SGD; the command says so, as the estimate then leaves them out.
+plain pass alone. The document-LoRA pass's phases of global SGD (ttt_phase_time_s, shown beside its TTT seconds)
+train on the split's first eval.ttt_phase_docs documents, so they count as timed, unscaled; a prefix holding fewer
+documents times fewer phases, and the command says so.
 """
 from __future__ import annotations
 
@@ -54,15 +55,18 @@ class Row:
     ttt_s: float | None   # None for the plain pass alone
     tokens: int           # timed tokens
     ttt_work: float | None = None  # the split's TTT work over the timed pass's, where not the token ratio
+    phase_s: float = 0.0  # the part of ttt_s in doc_lora's phases of global SGD: the split's own, not scaled
 
     def rate(self, seconds: float) -> float:
         return self.tokens / max(seconds, 1e-3)  # score_model rounds to the millisecond
 
     def full_split_s(self, full_tokens: int) -> float:
-        """The warm-up, then each pass that runs scaled to the split: by tokens, or by the TTT pass's work ratio."""
+        """The warm-up, then each pass that runs scaled to the split: by tokens, or by the TTT pass's work ratio; the
+        phases of global SGD as timed (a prefix with all of them trains on what the split's train on)."""
         seconds = self.warmup_s + full_tokens / self.rate(self.plain_s)
         if self.ttt_s is not None:
-            seconds += self.ttt_s * (self.ttt_work if self.ttt_work is not None else full_tokens / self.tokens)
+            work = self.ttt_work if self.ttt_work is not None else full_tokens / self.tokens
+            seconds += (self.ttt_s - self.phase_s) * work + self.phase_s
         return seconds
 
 
@@ -93,24 +97,25 @@ def time_row(artifact: Path, tokens, warmup, lut, settings: dict, device: torch.
     warmup_s = time.perf_counter() - t0
     result = run(tokens)
     return Row(settings["ttt"], settings["compile"], warmup_s, result["score_time_s"], result.get("ttt_time_s"),
-               len(tokens))
+               len(tokens), phase_s=result.get("ttt_phase_time_s", 0.0))
 
 
 def lora_work_lines(cfg: EvalConfig, timed: np.ndarray, full: np.ndarray | None) -> tuple[float | None, list[str]]:
     """The document-LoRA row's work ratio (the split's chunk positions over the timed tokens'; None without the
-    split's tokens: the token ratio) and what to say about it: positions per token, and phases the timed tokens hold
-    too few documents for."""
+    split's tokens: the token ratio) and what to say about it: positions per token, and the split's phases the timed
+    tokens hold too few documents for (a phase follows each of the first eval.ttt_phase_docs documents' parts)."""
     timed_work, lines = chunk_positions(timed, cfg), []
     ratio = None if full is None else chunk_positions(full, cfg) / timed_work
     split = "" if full is None else f", {ratio * timed_work / len(full):.1f} in the split"
     lines.append(f"doc_lora: {timed_work / len(timed):.1f} window positions a token in the timed tokens{split}")
     split_docs = 1 << 62 if full is None else len(split_documents(full))  # unknown: as many as there are phases
     timed_docs, phases = len(split_documents(timed)), len(segments(split_docs, cfg.ttt_phase_docs, cfg.ttt_phases)) - 1
-    if phases and len(segments(timed_docs, cfg.ttt_phase_docs, cfg.ttt_phases)) == 1:
-        lines.append(f"doc_lora: the timed tokens hold {timed_docs:,} documents, and the first phase of global SGD "
-                     f"follows {cfg.ttt_phase_docs // cfg.ttt_phases:,} (eval.ttt_phase_docs {cfg.ttt_phase_docs} "
-                     f"in {cfg.ttt_phases} phases): no phase is timed, and the estimate leaves the split's {phases} "
-                     "out")
+    timed_phases = len(segments(timed_docs, cfg.ttt_phase_docs, cfg.ttt_phases)) - 1
+    if timed_phases < phases:
+        lines.append(f"doc_lora: the timed tokens hold {timed_docs:,} documents, so {timed_phases} of the split's "
+                     f"{phases} phases of global SGD ran (eval.ttt_phase_docs {cfg.ttt_phase_docs} in "
+                     f"{cfg.ttt_phases} parts): the estimate counts those alone; --tokens holding more than "
+                     f"{cfg.ttt_phase_docs:,} documents times them all")
     return ratio, lines
 
 
@@ -118,7 +123,8 @@ def format_table(rows: list[Row], full_tokens: int) -> str:
     lines = [f"| eval.ttt | eval.compile | warm-up s | plain s | plain tokens/s | TTT s | TTT tokens/s | "
              f"{full_tokens:,} tokens, s (estimate) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ttt = ("—", "—") if r.ttt_s is None else (f"{r.ttt_s:.2f}", f"{r.rate(r.ttt_s):,.0f}")
+        phases = f" ({r.phase_s:.2f} in phases)" if r.phase_s else ""
+        ttt = ("—", "—") if r.ttt_s is None else (f"{r.ttt_s:.2f}{phases}", f"{r.rate(r.ttt_s):,.0f}")
         lines.append(f"| {r.ttt} | {str(r.compile).lower()} | {r.warmup_s:.2f} | {r.plain_s:.2f} | "
                      f"{r.rate(r.plain_s):,.0f} | {ttt[0]} | {ttt[1]} | {r.full_split_s(full_tokens):,.1f} |")
     return "\n".join(lines)

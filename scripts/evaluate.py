@@ -3,7 +3,8 @@
     python -m scripts.evaluate --artifact runs/<run>.mhcg --val 'DIR/fineweb_val_*.bin' --tokenizer T.model
 
 Prints one JSON line: val_loss, val_bpb, tokens, bytes, score_time_s (the plain pass's wall clock), context, stride,
-artifact_bytes, code_bytes, total_bytes; with test-time training, also val_loss_ttt, val_bpb_ttt and ttt_time_s.
+artifact_bytes, code_bytes, total_bytes; with test-time training, also val_loss_ttt, val_bpb_ttt and ttt_time_s
+(and with eval.ttt=doc_lora ttt_phase_time_s, its phases' part of it).
 train.py's final line comes from training.score.evaluate_artifact: the same code path. Unless --context / --stride /
 --max-tokens / --batch-seqs and eval.ttt* settings say otherwise, it scores as the run did (its eval settings,
 recorded in the artifact), so the numbers are train.py's; eval.compile=true runs the passes' model calls through

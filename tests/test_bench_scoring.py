@@ -27,6 +27,10 @@ def test_a_document_lora_row_scales_its_ttt_time_by_work():
     """The plain pass by tokens (10x), the document-LoRA pass by its chunks' window positions (given here: 4x)."""
     row = Row("doc_lora", False, warmup_s=1.0, plain_s=2.0, ttt_s=5.0, tokens=1_000, ttt_work=4.0)
     assert row.full_split_s(10_000) == pytest.approx(1.0 + 20.0 + 20.0)
+    row.phase_s = 1.5  # the phases train on the split's first documents, timed whole: not scaled
+    assert row.full_split_s(10_000) == pytest.approx(1.0 + 20.0 + 3.5 * 4.0 + 1.5)
+    assert "| doc_lora | false | 1.00 | 2.00 | 500 | 5.00 (1.50 in phases) | 200 | 36.5 |" in bench_scoring.format_table(
+        [row], 10_000)
 
 
 def test_the_work_ratio_reads_the_documents_and_names_untimed_phases():
@@ -44,9 +48,11 @@ def test_the_work_ratio_reads_the_documents_and_names_untimed_phases():
     assert per_token > ttt_lora.chunk_positions(timed, cfg) / len(timed)
     assert lines[0] == (f"doc_lora: {ttt_lora.chunk_positions(timed, cfg) / len(timed):.1f} window positions a token "
                         f"in the timed tokens, {per_token:.1f} in the split")
-    assert lines[1] == ("doc_lora: the timed tokens hold 3 documents, and the first phase of global SGD follows 3 "
-                        "(eval.ttt_phase_docs 6 in 2 phases): no phase is timed, and the estimate leaves the split's 2 "
-                        "out")
+    assert lines[1] == ("doc_lora: the timed tokens hold 3 documents, so 0 of the split's 2 phases of global SGD ran "
+                        "(eval.ttt_phase_docs 6 in 2 parts): the estimate counts those alone; --tokens holding more "
+                        "than 6 documents times them all")
+    assert bench_scoring.lora_work_lines(cfg, docs(4, 40), split)[1][1].startswith(
+        "doc_lora: the timed tokens hold 4 documents, so 1 of the split's 2 phases")
     assert bench_scoring.lora_work_lines(cfg, split, split) == (1.0, [lines[0].replace(
         f"{ttt_lora.chunk_positions(timed, cfg) / len(timed):.1f}", f"{per_token:.1f}", 1)])  # 20 documents: phases
     ratio, lines = bench_scoring.lora_work_lines(replace(cfg, ttt_phases=0), timed, None)  # --full-tokens: no split
@@ -73,7 +79,7 @@ def test_every_method_and_compile_setting_gets_a_timed_row(tiny_seed_runs, demo_
     # the document-LoRA rows scale by their chunks' positions, from every document of --val; the whole split holds
     # too few documents for the default phases, so the estimate leaves none out
     assert re.search(r"\ndoc_lora: [\d.]+ window positions a token in the timed tokens, [\d.]+ in the split\n", out)
-    assert "no phase is timed" not in out
+    assert "phases of global SGD ran" not in out
     assert [(r[0], r[1]) for r in rows] == [(m, c) for m in ("none", "chunk_sgd", "doc_lora")
                                             for c in ("false", "true")]
     # an eval setting the artifact's context cannot take is named, with the artifact

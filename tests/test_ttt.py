@@ -137,6 +137,7 @@ def test_score_model_reports_the_ttt_score_beside_the_plain_one(tmp_path):
     assert not set(ttt.TTT_KEYS) & set(plain) and set(ttt.TTT_KEYS) <= set(both)
     assert both["val_bpb"] == plain["val_bpb"] and both["val_bpb_ttt"] != both["val_bpb"]
     assert both["ttt"] == "chunk_sgd" and both["ttt_time_s"] >= 0 and plain["score_time_s"] >= 0
+    assert "ttt_phase_time_s" not in both  # doc_lora's alone
 
 
 def test_compiled_chunk_sgd_is_the_eager_pass_in_two_graphs(monkeypatch):

@@ -206,6 +206,7 @@ def test_score_model_reports_doc_lora_beside_the_plain_score_and_keeps_the_weigh
     trainable = [p.requires_grad for p in model.parameters()]
     result = score_model(artifact, model, {}, tokens, lut, SMALL, device=CPU)
     assert set(TTT_KEYS) <= set(result) and result["ttt"] == "doc_lora"
+    assert 0 < result["ttt_phase_time_s"] < result["ttt_time_s"]  # two phases, part of the pass
     assert result["val_bpb_ttt"] < result["val_bpb"]  # learnable text, adapters at lr 0.01
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), tiny_model().parameters()))
     assert [p.requires_grad for p in model.parameters()] == trainable and model.training

@@ -145,8 +145,9 @@ def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT
                 shipped_code: list[Path] | None = None) -> dict:
     """BPB of the model loaded from `artifact`, the plain pass's wall clock (score_time_s), and the shipped size
     (artifact + counted code: training.shipped_code's, or the files of `shipped_code`). With eval_cfg.ttt, the
-    score-first test-time training pass's too (val_loss_ttt, val_bpb_ttt, and its wall-clock ttt_time_s), after the
-    plain score: chunk_sgd trains `model` in place, doc_lora gives it its weights back.
+    score-first test-time training pass's too (val_loss_ttt, val_bpb_ttt, and its wall-clock ttt_time_s; doc_lora's
+    phases' part of it, ttt_phase_time_s), after the plain score: chunk_sgd trains `model` in place, doc_lora gives it
+    its weights back.
     progress and before_batch: see training.evaluate.evaluate_bpb."""
     if tokenizer_sha256:
         require_same_tokenizer(artifact, meta, tokenizer_sha256)
@@ -163,6 +164,8 @@ def score_model(artifact: Path, model: GPT, meta: dict, val_tokens, lut: ByteLUT
                                        rank=rank, world_size=world_size, progress=progress, before_batch=before_batch)
         result.update(val_loss_ttt=ttt["val_loss"], val_bpb_ttt=ttt["val_bpb"],
                       ttt_time_s=round(time.perf_counter() - t0, 3))
+        if "phase_time_s" in ttt:  # doc_lora: the part of ttt_time_s its phases of global SGD took
+            result["ttt_phase_time_s"] = ttt["phase_time_s"]
     code = code_bytes() if shipped_code is None else sum(f.stat().st_size for f in shipped_code)
     sizes = check_total(artifact.stat().st_size, code)
     result.update(context=eval_cfg.context, stride=eval_cfg.stride, max_tokens=eval_cfg.max_tokens, ttt=eval_cfg.ttt,

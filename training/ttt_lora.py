@@ -289,10 +289,12 @@ def train_on_scored(model: nn.Module, all_tokens: torch.Tensor, through: int, sc
 
 def doc_lora_scores(model: nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: EvalConfig, *, device: torch.device,
                     autocast_dtype: torch.dtype | None = None, rank: int = 0, world_size: int = 1,
-                    progress: Callable[[str], None] | None = None, before_batch: Callable[[], None] | None = None
+                    progress: Callable[[str], None] | None = None, before_batch: Callable[[], None] | None = None,
+                    phase_seconds: list[float] | None = None
                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The pass, as score_documents' (target index, NLL, bytes, scored) of each chunk this rank scores; the phases
-    train `model` in between, and it gets its own weights back at the end. The caller sums the scored entries."""
+    train `model` in between, and it gets its own weights back at the end. The caller sums the scored entries.
+    phase_seconds, where given, gets each phase's wall clock (the device's work included)."""
     docs = split_documents(tokens)
     all_tokens, all_bytes = device_tokens(tokens, lut, device)
     amp = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
@@ -326,8 +328,11 @@ def doc_lora_scores(model: nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Eva
             if k < len(plan) - 1:
                 for p in trainable:
                     p.requires_grad_(True)
+                started = device_clock(device)
                 train_on_scored(model, all_tokens, phase_end(docs, segment), scored_through, cfg, amp=amp, rank=rank,
                                 world_size=world_size, before_batch=before_batch)
+                if phase_seconds is not None:
+                    phase_seconds.append(device_clock(device) - started)
     finally:
         model.load_state_dict(saved)
         for p in trainable:
@@ -335,20 +340,31 @@ def doc_lora_scores(model: nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Eva
         model.train(was_training)
 
 
+def device_clock(device: torch.device) -> float:
+    """The host's clock once the device has finished what it was given: a phase's time is then its own work's, not
+    the scoring's queued before it. Once a phase, so the wait costs nothing that matters."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def evaluate_bpb_doc_lora(model: nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: EvalConfig, *,
                           device: torch.device, autocast_dtype: torch.dtype | None = None, rank: int = 0,
                           world_size: int = 1, progress: Callable[[str], None] | None = None,
                           before_batch: Callable[[], None] | None = None) -> dict:
     """val_loss, val_bpb, tokens, bytes of the document-LoRA pass (see doc_lora_scores), as evaluate_bpb reports
-    them; summed on the device, without a host read per chunk."""
+    them, and phase_time_s: the seconds of its phases of global SGD. Summed on the device, without a host read per
+    chunk."""
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
     n_scored = torch.zeros((), dtype=torch.int64, device=device)
     n_bytes = torch.zeros((), dtype=torch.int64, device=device)
+    phase_seconds: list[float] = []
     for _, nll, byte_counts, scored in doc_lora_scores(model, tokens, lut, cfg, device=device,
                                                        autocast_dtype=autocast_dtype, rank=rank,
                                                        world_size=world_size, progress=progress,
-                                                       before_batch=before_batch):
+                                                       before_batch=before_batch, phase_seconds=phase_seconds):
         nll_sum += torch.where(scored, nll, 0).sum()
         n_scored += scored.sum()
         n_bytes += torch.where(scored, byte_counts, 0).sum()
-    return bpb_totals(nll_sum, n_scored, n_bytes, len(tokens), world_size)
+    return {**bpb_totals(nll_sum, n_scored, n_bytes, len(tokens), world_size),
+            "phase_time_s": round(sum(phase_seconds), 3)}
