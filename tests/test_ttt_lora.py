@@ -327,10 +327,10 @@ def kernel_model() -> GPT:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (inductor around the Triton kernels)")
 def test_gpu_compiled_scoring_with_the_kernels_scores_as_eager_and_reads_no_later_token():
     """eval.compile on a GPU, under bf16 autocast as train.py scores: inductor compiles the plain sliding score, the
-    chunk_sgd pass and the doc_lora pass (the sequence length symbolic) around the Triton kernels. Each score is
-    eager's to within bf16 rounding; and under doc_lora, new tokens from target 79 on leave the NLL of every earlier
-    target as it was, up to the difference two passes over the same tokens show there (zero where the GPU's kernels
-    are deterministic)."""
+    chunk_sgd pass and the doc_lora pass (the sequence length and the row count symbolic) around the Triton kernels.
+    Each score is eager's to within bf16 rounding; and under doc_lora, new tokens from target 79 on leave the NLL of
+    every earlier target as it was, up to the difference two passes over the same tokens show there (zero where the
+    GPU's kernels are deterministic)."""
     from training import ttt
     from training.evaluate import evaluate_bpb
     cuda, bf16, lut = torch.device("cuda"), torch.bfloat16, simple_lut(VOCAB)
@@ -339,7 +339,9 @@ def test_gpu_compiled_scoring_with_the_kernels_scores_as_eager_and_reads_no_late
     try:
         scores = {}
         for compile in (False, True):  # the plain score, chunk_sgd, doc_lora
-            chunk, lora = replace(SMALL, ttt="chunk_sgd", compile=compile), replace(SMALL, compile=compile)
+            # five documents a batch: the last segment's chunks run 5, 4, 3 and 2 rows
+            chunk, lora = replace(SMALL, ttt="chunk_sgd", compile=compile), replace(SMALL, compile=compile,
+                                                                                     ttt_lora_docs=5)
             scores[compile] = [
                 evaluate_bpb(kernel_model(), tokens, lut, context=32, stride=8, batch_seqs=4, device=cuda,
                              autocast_dtype=bf16, compile=compile)["val_bpb"],
