@@ -178,12 +178,13 @@ def bench(a: argparse.Namespace, methods: list[str], compiles: list[bool], devic
     full = load_tokens(shards) if a.full_tokens == 0 and "doc_lora" in methods else None
     rows, notes = [], []
     for method in methods:
+        given = {**settings_for(method, a.eval), "ttt": method}
+        work = None  # the token ratio; doc_lora's counted once, as eval.compile does not change its shapes
+        if method == "doc_lora":
+            work, notes = lora_work_lines(recorded_eval(meta, artifact, **given), tokens, full)
         for on in compiles:
-            settings = {**settings_for(method, a.eval), "ttt": method, "compile": on}
-            rows.append(time_row(artifact, tokens, warmup, lut, settings, device))
-            if method == "doc_lora":
-                rows[-1].ttt_work, lines = lora_work_lines(recorded_eval(meta, artifact, **settings), tokens, full)
-                notes += [line for line in lines if line not in notes]
+            rows.append(time_row(artifact, tokens, warmup, lut, {**given, "compile": on}, device))
+            rows[-1].ttt_work = work
             print(f"timed eval.ttt={method} eval.compile={str(on).lower()}", file=sys.stderr, flush=True)
     print("\n" + format_table(rows, full_tokens) + "".join("\n" + line for line in notes))
 

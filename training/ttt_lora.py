@@ -109,6 +109,11 @@ def batch_rows(batch: list[tuple[int, int]], docs_per_batch: int) -> list[tuple[
     return batch + [(0, 0)] * (min(2, docs_per_batch) - len(batch))
 
 
+def window_length(chunk: int, chunk_len: int, context: int) -> int:
+    """Positions of chunk `chunk`'s window: every target through the chunk's end, at most `context` of them."""
+    return min((chunk + 1) * chunk_len, context)
+
+
 def chunk_rows(lengths: list[int], chunk: int, chunk_len: int) -> int:
     """The rows chunk `chunk`'s pass computes, of rows whose documents hold `lengths` targets, longest first: those
     with targets from the chunk on (a prefix), never fewer than two where there are two."""
@@ -123,8 +128,7 @@ def chunk_positions(tokens: np.ndarray, cfg: EvalConfig) -> int:
         for batch in segment_batches(docs, segment, cfg.ttt_lora_docs):
             lengths = [n for _, n in batch_rows([docs[d] for d in batch], cfg.ttt_lora_docs)]
             for c in range(math.ceil(lengths[0] / cfg.ttt_lora_chunk)):
-                window = min((c + 1) * cfg.ttt_lora_chunk, cfg.context)
-                total += chunk_rows(lengths, c, cfg.ttt_lora_chunk) * window
+                total += chunk_rows(lengths, c, cfg.ttt_lora_chunk) * window_length(c, cfg.ttt_lora_chunk, cfg.context)
     return total
 
 
@@ -240,7 +244,7 @@ def score_documents(model: nn.Module, adapters: Adapters, batch: list[tuple[int,
         active = chunk_rows(lengths, c, chunk_len)
         end = n_targets_d[:active].clamp(max=(c + 1) * chunk_len)  # past the chunk's last target; <= c·chunk_len: done
         low = (end - window).clamp(min=0)  # the window's first input, document-relative
-        pos = torch.arange(min((c + 1) * chunk_len, window), device=device)
+        pos = torch.arange(window_length(c, chunk_len, window), device=device)
         inputs = (starts_d[:active] + low)[:, None] + pos  # absolute index of each input; its target is the next token
         valid = pos < (end - low)[:, None]
         inputs = torch.where(valid, inputs, 0)
