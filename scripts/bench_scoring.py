@@ -14,14 +14,22 @@ their defaults where the run recorded another method) under any eval.KEY=VALUE g
 
 The estimate for the full split (--full-tokens, default every token of --val) is the warm-up's seconds plus each
 pass's timed seconds scaled to the split: by tokens for the plain and chunk passes, whose work is linear in tokens
-(windows, chunks); by the window positions its chunks compute for the document-LoRA pass
-(training.ttt_lora.chunk_positions), whose work per token grows with the documents' lengths, so a prefix of a few
-hundred documents is not the split in small. With --full-tokens the split's documents are not at hand, and the
-prefix's positions per token stand for them. The warm-up also holds the scoring of its own tokens, so the estimate
-leans high. A TTT row's estimate holds both passes, as scripts.evaluate and train.py run them; the plain row is the
-plain pass alone. The document-LoRA pass's phases of global SGD (ttt_phase_time_s, shown beside its TTT seconds)
-train on the split's first eval.ttt_phase_docs documents, so they count as timed, unscaled; a prefix holding fewer
-documents times fewer phases, and the command says so.
+(windows, chunks). The document-LoRA pass runs one adapter step per chunk of each batch of documents
+(training.ttt_lora.chunk_work): its time grows with the window positions those steps compute where the device's work
+bounds it, and with the number of steps where launching each step's kernels from the host does (small batches,
+short windows, eager mode). Both grow with the documents' lengths, not with their tokens alone, and a prefix of a
+few hundred documents is not the split in small, so its estimate is a range: the TTT time scaled by the smaller and
+by the larger of the two ratios. With --full-tokens the split's documents are not at hand, and the prefix's counts
+per token stand for them. The warm-up also holds the scoring of its own tokens, so the estimate leans high. A TTT
+row's estimate holds both passes, as scripts.evaluate and train.py run them; the plain row is the plain pass alone.
+The document-LoRA pass's phases of global SGD (ttt_phase_time_s, shown beside its TTT seconds) train on the split's
+first eval.ttt_phase_docs documents, so they count as timed, unscaled; a prefix holding fewer documents times fewer
+phases, and the command says so.
+
+One-off costs belong in the warm-up: graphs (eval.compile), and the Triton MLP kernels' autotuning, which runs once
+for each new number of rows a GEMM meets when they are called eagerly. The document-LoRA chunks meet a new one with
+most new (rows, window) shapes, so a warm-up shorter than the timed tokens leaves autotuning in the timed pass;
+--warmup-tokens equal to --tokens moves it out (the split meets more such shapes than a prefix, once each).
 """
 from __future__ import annotations
 
@@ -38,7 +46,7 @@ from data.loader import load_tokens
 from data.shards import read_header
 from training.eval_config import TTT_METHODS, EvalConfig
 from training.score import load_model, recorded_eval, score_model
-from training.ttt_lora import chunk_positions, segments, split_documents
+from training.ttt_lora import chunk_work, segments, split_documents
 from training.scoring_inputs import (INPUT_ERRORS, SETTINGS, add_scoring_arguments, checked_tokens, open_validation,
                                      parse_scoring_arguments)
 
@@ -54,20 +62,23 @@ class Row:
     plain_s: float
     ttt_s: float | None   # None for the plain pass alone
     tokens: int           # timed tokens
-    ttt_work: float | None = None  # the split's TTT work over the timed pass's, where not the token ratio
+    ttt_work: tuple[float, float] | None = None  # the split's TTT work over the timed pass's, where not the token
+                                                 # ratio: the two bounds of doc_lora's (steps, positions)
     phase_s: float = 0.0  # the part of ttt_s in doc_lora's phases of global SGD: the split's own, not scaled
 
     def rate(self, seconds: float) -> float:
         return self.tokens / max(seconds, 1e-3)  # score_model rounds to the millisecond
 
-    def full_split_s(self, full_tokens: int) -> float:
-        """The warm-up, then each pass that runs scaled to the split: by tokens, or by the TTT pass's work ratio; the
-        phases of global SGD as timed (a prefix with all of them trains on what the split's train on)."""
+    def full_split_s(self, full_tokens: int) -> tuple[float, float]:
+        """The warm-up, then each pass that runs scaled to the split: by tokens, or by the smaller and the larger of
+        the TTT pass's work ratios (low, high; equal for a token-scaled row); the phases of global SGD as timed (a
+        prefix with all of them trains on what the split's train on)."""
         seconds = self.warmup_s + full_tokens / self.rate(self.plain_s)
-        if self.ttt_s is not None:
-            work = self.ttt_work if self.ttt_work is not None else full_tokens / self.tokens
-            seconds += (self.ttt_s - self.phase_s) * work + self.phase_s
-        return seconds
+        if self.ttt_s is None:
+            return seconds, seconds
+        ratios = self.ttt_work if self.ttt_work is not None else (full_tokens / self.tokens,) * 2
+        low, high = (seconds + (self.ttt_s - self.phase_s) * r + self.phase_s for r in sorted(ratios))
+        return low, high
 
 
 def parse_list(p: argparse.ArgumentParser, flag: str, text: str, choices: tuple[str, ...]) -> list[str]:
@@ -100,14 +111,21 @@ def time_row(artifact: Path, tokens, warmup, lut, settings: dict, device: torch.
                len(tokens), phase_s=result.get("ttt_phase_time_s", 0.0))
 
 
-def lora_work_lines(cfg: EvalConfig, timed: np.ndarray, full: np.ndarray | None) -> tuple[float | None, list[str]]:
-    """The document-LoRA row's work ratio (the split's chunk positions over the timed tokens'; None without the
-    split's tokens: the token ratio) and what to say about it: positions per token, and the split's phases the timed
-    tokens hold too few documents for (a phase follows each of the first eval.ttt_phase_docs documents' parts)."""
-    timed_work, lines = chunk_positions(timed, cfg), []
-    ratio = None if full is None else chunk_positions(full, cfg) / timed_work
-    split = "" if full is None else f", {ratio * timed_work / len(full):.1f} in the split"
-    lines.append(f"doc_lora: {timed_work / len(timed):.1f} window positions a token in the timed tokens{split}")
+def lora_work_lines(cfg: EvalConfig, timed: np.ndarray, full: np.ndarray | None
+                    ) -> tuple[tuple[float, float] | None, list[str]]:
+    """The document-LoRA row's work ratios (the split's chunk steps and window positions over the timed tokens';
+    None without the split's tokens: the token ratio) and what to say about them: the counts (steps per 1,000
+    tokens, positions per token), and the split's phases the timed tokens hold too few documents for (a phase
+    follows each of the first eval.ttt_phase_docs documents' parts)."""
+    timed_work, lines = chunk_work(timed, cfg), []
+    full_work = None if full is None else chunk_work(full, cfg)
+    ratios = None if full_work is None else (full_work[0] / timed_work[0], full_work[1] / timed_work[1])
+
+    def counts(work: tuple[int, int], tokens: np.ndarray) -> str:
+        return f"{1000 * work[0] / len(tokens):.2f} and {work[1] / len(tokens):.1f}"
+    split = "" if full_work is None else f", {counts(full_work, full)} in the split: the estimate spans both ratios"
+    lines.append(f"doc_lora: chunk steps per 1,000 tokens and window positions per token: "
+                 f"{counts(timed_work, timed)} in the timed tokens{split}")
     split_docs = 1 << 62 if full is None else len(split_documents(full))  # unknown: as many as there are phases
     timed_docs, phases = len(split_documents(timed)), len(segments(split_docs, cfg.ttt_phase_docs, cfg.ttt_phases)) - 1
     timed_phases = len(segments(timed_docs, cfg.ttt_phase_docs, cfg.ttt_phases)) - 1
@@ -116,7 +134,11 @@ def lora_work_lines(cfg: EvalConfig, timed: np.ndarray, full: np.ndarray | None)
                      f"{phases} phases of global SGD ran (eval.ttt_phase_docs {cfg.ttt_phase_docs} in "
                      f"{cfg.ttt_phases} parts): the estimate counts those alone; --tokens holding more than "
                      f"{cfg.ttt_phase_docs:,} documents times them all")
-    return ratio, lines
+    return ratios, lines
+
+
+def estimate_cell(low: float, high: float) -> str:
+    return f"{low:,.1f}" if low == high else f"{low:,.1f}–{high:,.1f}"
 
 
 def format_table(rows: list[Row], full_tokens: int) -> str:
@@ -125,8 +147,9 @@ def format_table(rows: list[Row], full_tokens: int) -> str:
     for r in rows:
         phases = f" ({r.phase_s:.2f} in phases)" if r.phase_s else ""
         ttt = ("—", "—") if r.ttt_s is None else (f"{r.ttt_s:.2f}{phases}", f"{r.rate(r.ttt_s):,.0f}")
+        estimate = estimate_cell(*r.full_split_s(full_tokens))
         lines.append(f"| {r.ttt} | {str(r.compile).lower()} | {r.warmup_s:.2f} | {r.plain_s:.2f} | "
-                     f"{r.rate(r.plain_s):,.0f} | {ttt[0]} | {ttt[1]} | {r.full_split_s(full_tokens):,.1f} |")
+                     f"{r.rate(r.plain_s):,.0f} | {ttt[0]} | {ttt[1]} | {estimate} |")
     return "\n".join(lines)
 
 

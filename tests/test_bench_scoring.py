@@ -15,48 +15,58 @@ from training.eval_config import EvalConfig
 
 def test_the_estimate_is_the_warm_up_then_the_full_count_at_each_timed_rate():
     plain = Row("none", False, warmup_s=3.0, plain_s=2.0, ttt_s=None, tokens=1_000)
-    assert plain.full_split_s(10_000) == pytest.approx(3.0 + 20.0)
+    assert plain.full_split_s(10_000) == pytest.approx((3.0 + 20.0, 3.0 + 20.0))
     ttt = Row("chunk_sgd", True, warmup_s=10.0, plain_s=2.0, ttt_s=4.0, tokens=1_000)
-    assert ttt.full_split_s(10_000) == pytest.approx(10.0 + 20.0 + 40.0)
+    assert ttt.full_split_s(10_000) == pytest.approx((10.0 + 20.0 + 40.0,) * 2)
     table = bench_scoring.format_table([plain, ttt], 10_000)
     assert "| none | false | 3.00 | 2.00 | 500 | — | — | 23.0 |" in table
     assert "| chunk_sgd | true | 10.00 | 2.00 | 500 | 4.00 | 250 | 70.0 |" in table
 
 
-def test_a_document_lora_row_scales_its_ttt_time_by_work():
-    """The plain pass by tokens (10x), the document-LoRA pass by its chunks' window positions (given here: 4x)."""
-    row = Row("doc_lora", False, warmup_s=1.0, plain_s=2.0, ttt_s=5.0, tokens=1_000, ttt_work=4.0)
-    assert row.full_split_s(10_000) == pytest.approx(1.0 + 20.0 + 20.0)
+def test_a_document_lora_row_spans_its_two_work_ratios():
+    """The plain pass by tokens (10x); the document-LoRA pass by its chunk steps' ratio and by its window positions'
+    (given here: 4x and 2.5x, in either order), the smaller giving the low end."""
+    for work in ((4.0, 2.5), (2.5, 4.0)):
+        row = Row("doc_lora", False, warmup_s=1.0, plain_s=2.0, ttt_s=5.0, tokens=1_000, ttt_work=work)
+        assert row.full_split_s(10_000) == pytest.approx((1.0 + 20.0 + 12.5, 1.0 + 20.0 + 20.0))
     row.phase_s = 1.5  # the phases train on the split's first documents, timed whole: not scaled
-    assert row.full_split_s(10_000) == pytest.approx(1.0 + 20.0 + 3.5 * 4.0 + 1.5)
-    assert "| doc_lora | false | 1.00 | 2.00 | 500 | 5.00 (1.50 in phases) | 200 | 36.5 |" in bench_scoring.format_table(
-        [row], 10_000)
+    assert row.full_split_s(10_000) == pytest.approx((1.0 + 20.0 + 3.5 * 2.5 + 1.5, 1.0 + 20.0 + 3.5 * 4.0 + 1.5))
+    assert "| doc_lora | false | 1.00 | 2.00 | 500 | 5.00 (1.50 in phases) | 200 | 31.2–36.5 |" in \
+        bench_scoring.format_table([row], 10_000)
 
 
-def test_the_work_ratio_reads_the_documents_and_names_untimed_phases():
+def test_the_work_ratios_read_the_documents_and_name_untimed_phases():
     """Documents of 40 targets in the timed tokens, of 200 in the split (BOS, token 1, opens each): per token the
-    split's chunks compute more positions, and the ratio is the two passes' own counts."""
+    split's chunks compute more positions in fewer steps (its batches hold longer documents), and the ratios are the
+    two passes' own counts."""
     def docs(n_docs: int, targets: int) -> np.ndarray:
         tokens = np.full(n_docs * targets + 1, 7, dtype=np.uint16)
         tokens[::targets] = 1
         return tokens
     cfg = EvalConfig(context=64, ttt="doc_lora", ttt_lora_chunk=8, ttt_lora_docs=4, ttt_phase_docs=6, ttt_phases=2)
     timed, split = docs(3, 40), docs(20, 200)
-    ratio, lines = bench_scoring.lora_work_lines(cfg, timed, split)
-    assert ratio == ttt_lora.chunk_positions(split, cfg) / ttt_lora.chunk_positions(timed, cfg)
-    per_token = ttt_lora.chunk_positions(split, cfg) / len(split)
-    assert per_token > ttt_lora.chunk_positions(timed, cfg) / len(timed)
-    assert lines[0] == (f"doc_lora: {ttt_lora.chunk_positions(timed, cfg) / len(timed):.1f} window positions a token "
-                        f"in the timed tokens, {per_token:.1f} in the split")
+    (steps_t, positions_t), (steps_s, positions_s) = ttt_lora.chunk_work(timed, cfg), ttt_lora.chunk_work(split, cfg)
+    ratios, lines = bench_scoring.lora_work_lines(cfg, timed, split)
+    assert ratios == (steps_s / steps_t, positions_s / positions_t)
+    assert positions_s / len(split) > positions_t / len(timed)
+    assert steps_s / len(split) < steps_t / len(timed)
+
+    def counts(steps: int, positions: int, tokens: np.ndarray) -> str:
+        return f"{1000 * steps / len(tokens):.2f} and {positions / len(tokens):.1f}"
+    assert lines[0] == ("doc_lora: chunk steps per 1,000 tokens and window positions per token: "
+                        f"{counts(steps_t, positions_t, timed)} in the timed tokens, "
+                        f"{counts(steps_s, positions_s, split)} in the split: the estimate spans both ratios")
     assert lines[1] == ("doc_lora: the timed tokens hold 3 documents, so 0 of the split's 2 phases of global SGD ran "
                         "(eval.ttt_phase_docs 6 in 2 parts): the estimate counts those alone; --tokens holding more "
                         "than 6 documents times them all")
     assert bench_scoring.lora_work_lines(cfg, docs(4, 40), split)[1][1].startswith(
         "doc_lora: the timed tokens hold 4 documents, so 1 of the split's 2 phases")
-    assert bench_scoring.lora_work_lines(cfg, split, split) == (1.0, [lines[0].replace(
-        f"{ttt_lora.chunk_positions(timed, cfg) / len(timed):.1f}", f"{per_token:.1f}", 1)])  # 20 documents: phases
-    ratio, lines = bench_scoring.lora_work_lines(replace(cfg, ttt_phases=0), timed, None)  # --full-tokens: no split
-    assert ratio is None and len(lines) == 1 and lines[0].endswith("in the timed tokens")
+    whole = f"{counts(steps_s, positions_s, split)} in the timed tokens, {counts(steps_s, positions_s, split)} in"
+    assert bench_scoring.lora_work_lines(cfg, split, split) == ((1.0, 1.0), [
+        f"doc_lora: chunk steps per 1,000 tokens and window positions per token: {whole} the split: the estimate "
+        "spans both ratios"])  # 20 documents: every phase
+    ratios, lines = bench_scoring.lora_work_lines(replace(cfg, ttt_phases=0), timed, None)  # --full-tokens: no split
+    assert ratios is None and len(lines) == 1 and lines[0].endswith("in the timed tokens")
 
 
 def table_rows(out: str) -> list[list[str]]:
@@ -76,9 +86,10 @@ def test_every_method_and_compile_setting_gets_a_timed_row(tiny_seed_runs, demo_
     in_split = sum(read_header(s) for s in list_shards(str(demo_dir / "fineweb_val_*.bin")))
     assert f"600 timed tokens, 300 warm-up tokens, on cpu; estimates for {in_split:,} tokens" in out
     rows = table_rows(out)
-    # the document-LoRA rows scale by their chunks' positions, from every document of --val; the whole split holds
-    # too few documents for the default phases, so the estimate leaves none out
-    assert re.search(r"\ndoc_lora: [\d.]+ window positions a token in the timed tokens, [\d.]+ in the split\n", out)
+    # the document-LoRA rows scale by their chunks' steps and positions, from every document of --val; the whole
+    # split holds too few documents for the default phases, so the estimate leaves none out
+    assert re.search(r"\ndoc_lora: chunk steps per 1,000 tokens and window positions per token: [\d.]+ and [\d.]+ "
+                     r"in the timed tokens, [\d.]+ and [\d.]+ in the split: the estimate spans both ratios\n", out)
     assert "phases of global SGD ran" not in out
     assert [(r[0], r[1]) for r in rows] == [(m, c) for m in ("none", "chunk_sgd", "doc_lora")
                                             for c in ("false", "true")]
@@ -90,7 +101,9 @@ def test_every_method_and_compile_setting_gets_a_timed_row(tiny_seed_runs, demo_
     for method, _, warmup, plain, plain_rate, ttt, ttt_rate, estimate in rows:
         assert float(warmup) > 0 and float(plain) >= 0 and int(plain_rate.replace(",", "")) > 0
         assert (ttt == "—") == (method == "none") and (ttt_rate == "—") == (method == "none")
-        assert float(estimate.replace(",", "")) >= float(warmup)
+        low, _, high = estimate.replace(",", "").partition("–")
+        assert float(warmup) <= float(low) <= float(high or low)
+        assert (high != "") == (method == "doc_lora")  # a range where the pass's steps and positions scale apart
 
 
 def test_the_count_to_estimate_for_can_be_given(tiny_seed_runs, demo_dir, monkeypatch, capsys):

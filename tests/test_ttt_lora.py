@@ -164,12 +164,13 @@ def test_a_chunk_reads_only_the_rows_still_scoring(monkeypatch):
     first_segments = [(2, w) for w in windows[:6]] + [(2, w) for w in windows]  # documents 0-1 (45, 25), 2-3 (80, 10)
     rows = [5, 5, 4, 4, 3, 3, 3, 3, 2]  # ends after chunk 1 (10 targets), 3 (30) and 7 (59)
     assert shapes == first_segments + list(zip(rows, windows))
-    assert ttt_lora.chunk_positions(documents(), replace(SMALL, ttt_lora_docs=5)) == sum(r * w for r, w in shapes)
-    for docs in (1, 2, 3):  # the count the benchmark scales by is the pass's own
+    assert ttt_lora.chunk_work(documents(), replace(SMALL, ttt_lora_docs=5)) == (len(shapes),
+                                                                                sum(r * w for r, w in shapes))
+    for docs in (1, 2, 3):  # the counts the benchmark scales by are the pass's own
         shapes.clear()
         cfg = replace(SMALL, ttt_lora_docs=docs)
         per_target_nll(documents(), cfg)
-        assert ttt_lora.chunk_positions(documents(), cfg) == sum(r * w for r, w in shapes)
+        assert ttt_lora.chunk_work(documents(), cfg) == (len(shapes), sum(r * w for r, w in shapes))
         assert docs > 1 or {r for r, _ in shapes} == {1}
 
 

@@ -120,16 +120,21 @@ def chunk_rows(lengths: list[int], chunk: int, chunk_len: int) -> int:
     return max(sum(1 for n in lengths if n > chunk * chunk_len), min(2, len(lengths)))
 
 
-def chunk_positions(tokens: np.ndarray, cfg: EvalConfig) -> int:
-    """The window positions the pass's chunks compute over `tokens` on one rank (rows × window length, summed): the
-    work that sets its time, which grows with the documents' lengths, not with their number of tokens alone."""
-    docs, total = split_documents(tokens), 0
+def chunk_work(tokens: np.ndarray, cfg: EvalConfig) -> tuple[int, int]:
+    """(chunk steps, window positions) of the pass over `tokens` on one rank: the steps it runs (each one adapter
+    step of its batch, whose kernels are launched from the host one by one unless compiled into fewer) and the
+    positions they compute (rows × window length, summed), which grow with the documents' lengths, not with their
+    number of tokens alone. A pass bound by the device's work takes time in proportion to the positions; one bound
+    by the host's launches, in proportion to the steps."""
+    docs, steps, positions = split_documents(tokens), 0, 0
     for segment in segments(len(docs), cfg.ttt_phase_docs, cfg.ttt_phases):
         for batch in segment_batches(docs, segment, cfg.ttt_lora_docs):
             lengths = [n for _, n in batch_rows([docs[d] for d in batch], cfg.ttt_lora_docs)]
             for c in range(math.ceil(lengths[0] / cfg.ttt_lora_chunk)):
-                total += chunk_rows(lengths, c, cfg.ttt_lora_chunk) * window_length(c, cfg.ttt_lora_chunk, cfg.context)
-    return total
+                steps += 1
+                positions += chunk_rows(lengths, c, cfg.ttt_lora_chunk) * window_length(c, cfg.ttt_lora_chunk,
+                                                                                        cfg.context)
+    return steps, positions
 
 
 def trained_targets(chunk: int, n_targets: torch.Tensor, chunk_len: int) -> tuple[torch.Tensor, torch.Tensor]:
