@@ -25,10 +25,10 @@ from quant.calibrate import calibrate, collect_fisher
 from quant.export import plan_tensors
 from quant.lowrank import Screen, screen_matrix
 from quant.schemes import error_models
-from scripts.bench_quant import NO_WEIGHTS, checkpoint_weights, load_weights
 from training.config import ConfigError, load_config
 from training.distributed import init_distributed
 from training.export import calibration_batches, observed_patterns, reference_mlps
+from training.trained_weights import NO_WEIGHTS, checkpoint_weights, load_weights
 from training.variants import split_common
 
 

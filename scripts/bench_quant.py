@@ -28,64 +28,18 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 from data.files import write_atomic
-from quant.container import ArtifactError, load_artifact
 from data.loader import load_tokens
 from data.shards import ShardError, list_shards, require_disjoint
 from data.tokenizer import TokenizerError, build_byte_lut, file_sha256, load_sp
 from model.gpt import GPT
 from training.variants import parse_variant, split_common
 from training.log_reader import output_problem
-from training.score import evaluate_artifact, recorded_recurrence
+from training.score import evaluate_artifact
 from training.config import ConfigError, load_config, to_dict
 from training.distributed import init_distributed
 from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit
 from training.export import export_model
-
-
-NO_WEIGHTS = ("{checkpoint}: no rank0.pt and not an artifact (hint: pass a step_NNNNNNNN folder written by train.py's "
-              "checkpointer, e.g. runs/checkpoints/RUN/step_00000500, or a .mhcg artifact)")
-
-
-def checkpoint_weights(checkpoint: Path) -> Path | None:
-    """The file the weights come from: a checkpoint folder's rank0.pt, or an artifact (a .mhcg file)."""
-    path = checkpoint if checkpoint.suffix == ".mhcg" else checkpoint / "rank0.pt"
-    return path if path.is_file() else None
-
-
-def fit(model: torch.nn.Module, state: dict, path: Path) -> None:
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise SystemExit(f"{path}: the weights do not fit the model of --config ({str(e).splitlines()[0]}); "
-                         "hint: pass the run's own config and model overrides") from None
-
-
-def load_weights(checkpoint: Path, model: torch.nn.Module) -> tuple[str, float]:
-    """Put the checkpoint's shipped weights into `model`; returns which ones ('ema', 'model', or 'artifact': an
-    artifact's dequantized weights, to re-quantize a shipped model or time the export) and the seconds of training
-    the checkpoint records (the export checks calibration against the budget left after them; 0 for an artifact)."""
-    path = checkpoint_weights(checkpoint)
-    if path is None:
-        raise SystemExit(NO_WEIGHTS.format(checkpoint=checkpoint))
-    if path.suffix == ".mhcg":
-        try:
-            meta, state = load_artifact(path)
-            fit(model, state, path)
-            model.recurrence_on = recorded_recurrence(path, meta)
-        except ArtifactError as e:
-            raise SystemExit(str(e)) from None
-        return "artifact", 0.0
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    fit(model, state["model"], path)
-    model.recurrence_on = bool(state.get("recurrence_on", False))  # depth recurrence as the weights last trained
-    train_time_s = float(state.get("train_time_s", 0.0))
-    if "ema" not in state:
-        return "model", train_time_s
-    live = model.state_dict()
-    with torch.no_grad():
-        for name, shadow in state["ema"]["shadow"].items():
-            live[name].copy_(shadow)
-    return "ema", train_time_s
+from training.trained_weights import NO_WEIGHTS, checkpoint_weights, load_weights
 
 
 def check_variants(config: str, common: list[str], variants) -> dict:

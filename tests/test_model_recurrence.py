@@ -324,7 +324,7 @@ def test_a_loop_before_the_lanes_runs_in_the_plain_part():
 
 def test_a_checkpoint_re_exported_by_bench_quant_keeps_its_phase(tmp_path):
     """scripts/bench_quant.py re-quantizes a checkpoint's weights: in the phase they were trained in last."""
-    from scripts.bench_quant import load_weights
+    from training.trained_weights import load_weights
     from training.checkpoint import Checkpointer
     from training.optim import build_optimizers
     cfg = loop_cfg("train.max_steps=10")
