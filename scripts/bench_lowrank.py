@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
@@ -28,16 +27,14 @@ from quant.schemes import error_models
 from training.config import ConfigError, load_config
 from training.distributed import init_distributed
 from training.export import calibration_batches, observed_patterns, reference_mlps
-from training.trained_weights import NO_WEIGHTS, checkpoint_weights, load_weights
+from training.trained_weights import add_weights_arguments, load_weights, require_weights
 from training.variants import split_common
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     argv, common = split_common(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True)
-    p.add_argument("--checkpoint", required=True, type=Path,
-                   help="a step_NNNNNNNN folder of train.py's checkpointer, or a .mhcg artifact (its dequantized weights)")
+    add_weights_arguments(p)
     p.add_argument("--bits", type=float, default=3.3, help="bits a parameter of the reference grid (default 3.3)")
     p.add_argument("--rank", type=int, default=4, help="rank of the correction (default 4)")
     p.add_argument("--factor-bits", type=int, default=4, help="bits a value of its factors (default 4)")
@@ -49,8 +46,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             p.error(f"{flag} {value}: expected a number >= {low}")
     if args.bits > 8:
         p.error(f"--bits {args.bits}: expected at most 8 (the widest grid)")
-    if checkpoint_weights(args.checkpoint) is None:
-        p.error(NO_WEIGHTS.format(checkpoint=args.checkpoint))
+    require_weights(p, args.checkpoint)
     return args, common
 
 

@@ -39,7 +39,7 @@ from training.config import ConfigError, load_config, to_dict
 from training.distributed import init_distributed
 from training.evaluate import ByteAuditError, evaluate_bpb, require_byte_audit
 from training.export import export_model
-from training.trained_weights import NO_WEIGHTS, checkpoint_weights, load_weights
+from training.trained_weights import add_weights_arguments, load_weights, require_weights
 
 
 def check_variants(config: str, common: list[str], variants) -> dict:
@@ -87,9 +87,7 @@ def format_kinds(rows: list[dict]) -> str:
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     argv, common = split_common(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True)
-    p.add_argument("--checkpoint", required=True, type=Path,
-                   help="a step_NNNNNNNN folder of train.py's checkpointer, or a .mhcg artifact (its dequantized weights)")
+    add_weights_arguments(p)
     p.add_argument("--variant", action="append", required=True, metavar='NAME="OVERRIDES"',
                    help="a named set of quant.key=value overrides (repeat for each variant)")
     p.add_argument("--equal-bytes", metavar="NAME", default=None,
@@ -102,8 +100,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     for flag, path, folder in (("--out", args.out, False), ("--keep", args.keep, True)):
         if path and (problem := output_problem(path, folder)):
             p.error(f"{flag} {path}: {problem}")
-    if checkpoint_weights(args.checkpoint) is None:  # before the shards, the byte audit and the device are set up
-        p.error(NO_WEIGHTS.format(checkpoint=args.checkpoint))
+    require_weights(p, args.checkpoint)  # before the shards, the byte audit and the device are set up
     return args, common
 
 

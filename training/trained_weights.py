@@ -2,6 +2,7 @@
 train.py ships), or an artifact's dequantized weights. Shared by scripts.bench_quant and scripts.bench_lowrank."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -12,6 +13,19 @@ from training.score import recorded_recurrence
 
 NO_WEIGHTS = ("{checkpoint}: no rank0.pt and not an artifact (hint: pass a step_NNNNNNNN folder written by train.py's "
               "checkpointer, e.g. runs/checkpoints/RUN/step_00000500, or a .mhcg artifact)")
+
+
+def add_weights_arguments(p: argparse.ArgumentParser) -> None:
+    """--config and --checkpoint, as every tool that reads a trained model's weights takes them."""
+    p.add_argument("--config", required=True)
+    p.add_argument("--checkpoint", required=True, type=Path,
+                   help="a step_NNNNNNNN folder of train.py's checkpointer, or a .mhcg artifact (its dequantized weights)")
+
+
+def require_weights(p: argparse.ArgumentParser, checkpoint: Path) -> None:
+    """A usage error naming --checkpoint where it holds no weights: before any data or device is set up."""
+    if checkpoint_weights(checkpoint) is None:
+        p.error(NO_WEIGHTS.format(checkpoint=checkpoint))
 
 
 def checkpoint_weights(checkpoint: Path) -> Path | None:
