@@ -8,8 +8,10 @@ bytes could instead buy finer grids, so the question is which buys more error pe
 The error the allocation minimizes for a matrix is Σ_r w_r Δ_r H Δ_rᵀ = ‖D^½ Δ R‖²_F, with Δ = Q − W, D the row
 weights (Fisher, or 1), H = R Rᵀ the input Hessian. The best rank-r correction in that norm removes the r largest
 squared singular values of D^½ Δ R (Eckart–Young), so their sum bounds what any rank-r correction removes, before
-its own factors are quantized; its bytes are counted at `factor_bits` a value with no compression. Both favour the
-correction, so a tensor where it still buys less than the next grid would not gain from it.
+its own factors are quantized. Its bytes are counted at `factor_bits` a value plus fp16 scales; an entropy coder
+would take somewhat less for factors whose values bunch near zero, while the grids' bytes are entropy estimates. The
+gain is the generous side: a tensor where the correction buys well under what the next grid buys would not gain
+from it, and a ratio near 1 is too close to call without building it.
 """
 from __future__ import annotations
 

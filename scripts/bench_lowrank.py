@@ -7,9 +7,9 @@ Calibrates the checkpoint's shipped weights as train.py's export does (training 
 weights with quant.error_weight=fisher) and, for every matrix and mHC phi, quantizes it on the grid nearest --bits a
 parameter and compares two ways of spending more bytes on it (quant/lowrank.py): the next finer grid of the
 rate–distortion allocation, and the best rank-r correction of the quantization error in the allocator's own error
-norm. The correction is favoured twice (its gain is the bound of an unquantized rank-r factor pair, its bytes
-uncompressed at --factor-bits), so a ratio below 1 means the correction would not pay there. Prints the --top
-matrices by that ratio and how many are above 1. Embedding tables are left out: their error has a per-entry term.
+norm. The correction's gain is a bound (an unquantized rank-r factor pair) and its bytes are counted at
+--factor-bits a value, so a ratio well below 1 means it would not pay there, and one near 1 is too close to call.
+Prints the --top matrices by that ratio and how many are above 1. Embedding tables are left out: their error has a per-entry term.
 """
 from __future__ import annotations
 
