@@ -120,6 +120,13 @@ def chunk_rows(lengths: list[int], chunk: int, chunk_len: int) -> int:
     return max(sum(1 for n in lengths if n > chunk * chunk_len), min(2, len(lengths)))
 
 
+def chunk_shapes(lengths: list[int], chunk_len: int, context: int) -> Iterator[tuple[int, int, int]]:
+    """(chunk, rows, window length) of each chunk of a batch whose rows hold `lengths` targets, longest first: the one
+    schedule the pass runs and chunk_work counts."""
+    for c in range(math.ceil(lengths[0] / chunk_len)):
+        yield c, chunk_rows(lengths, c, chunk_len), window_length(c, chunk_len, context)
+
+
 def chunk_work(tokens: np.ndarray, cfg: EvalConfig) -> tuple[int, int]:
     """(chunk steps, window positions) of the pass over `tokens` on one rank: the steps it runs (each one adapter
     step of its batch, whose kernels are launched from the host one by one unless compiled into fewer) and the
@@ -130,10 +137,8 @@ def chunk_work(tokens: np.ndarray, cfg: EvalConfig) -> tuple[int, int]:
     for segment in segments(len(docs), cfg.ttt_phase_docs, cfg.ttt_phases):
         for batch in segment_batches(docs, segment, cfg.ttt_lora_docs):
             lengths = [n for _, n in batch_rows([docs[d] for d in batch], cfg.ttt_lora_docs)]
-            for c in range(math.ceil(lengths[0] / cfg.ttt_lora_chunk)):
-                steps += 1
-                positions += chunk_rows(lengths, c, cfg.ttt_lora_chunk) * window_length(c, cfg.ttt_lora_chunk,
-                                                                                        cfg.context)
+            for _, rows, width in chunk_shapes(lengths, cfg.ttt_lora_chunk, cfg.context):
+                steps, positions = steps + 1, positions + rows * width
     return steps, positions
 
 
@@ -243,13 +248,12 @@ def score_documents(model: nn.Module, adapters: Adapters, batch: list[tuple[int,
     optimizer = torch.optim.AdamW(adapters.parameters(), lr=cfg.ttt_lora_lr, betas=ADAM_BETAS, eps=ADAM_EPS,
                                   weight_decay=cfg.ttt_lora_wd, fused=device.type == "cuda")
     scored_to = torch.zeros_like(n_targets)  # targets of each document scored so far
-    for c in range(math.ceil(max(n for _, n in batch) / chunk_len)):
+    for c, active, width in chunk_shapes(lengths, chunk_len, window):
         if before_batch is not None:
             before_batch()
-        active = chunk_rows(lengths, c, chunk_len)
         end = n_targets_d[:active].clamp(max=(c + 1) * chunk_len)  # past the chunk's last target; <= c·chunk_len: done
         low = (end - window).clamp(min=0)  # the window's first input, document-relative
-        pos = torch.arange(window_length(c, chunk_len, window), device=device)
+        pos = torch.arange(width, device=device)
         inputs = (starts_d[:active] + low)[:, None] + pos  # absolute index of each input; its target is the next token
         valid = pos < (end - low)[:, None]
         inputs = torch.where(valid, inputs, 0)
