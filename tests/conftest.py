@@ -55,6 +55,18 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_SEEDS = (7, 8)
 
 
+@pytest.fixture(scope="session")
+def tiny_checkpoint(demo_dir, tmp_path_factory) -> tuple[Path, list[str]]:
+    """A 6-step tiny run's final checkpoint and the overrides it trained with, for the tools that read a trained
+    model's weights (scripts.bench_quant, scripts.bench_lowrank); trained once per test session, never written to."""
+    import train
+    from test_train import tiny_overrides
+    tmp = tmp_path_factory.mktemp("ckpt")
+    overrides = [*tiny_overrides(demo_dir, tmp), "train.max_steps=6", "train.checkpoint_every=6"]
+    train.main(["--config", str(REPO / "configs/demo.toml"), *overrides])
+    return tmp / "runs" / "checkpoints" / "tiny" / "step_00000006", overrides
+
+
 TINY_BUDGET = 30_000  # bytes for the tiny model's artifact: the finest grids take ~35.4k, so the allocation coarsens
 
 

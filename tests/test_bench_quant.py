@@ -6,20 +6,10 @@ import pytest
 from conftest import REPO
 from quant.container import load_artifact
 from scripts import bench_quant
-from test_train import tiny_overrides
 
 
-@pytest.fixture(scope="module")
-def checkpoint(demo_dir, tmp_path_factory):
-    import train
-    tmp = tmp_path_factory.mktemp("bq")
-    overrides = [*tiny_overrides(demo_dir, tmp), "train.max_steps=6", "train.checkpoint_every=6"]
-    train.main(["--config", str(REPO / "configs/demo.toml"), *overrides])
-    return tmp / "runs" / "checkpoints" / "tiny" / "step_00000006", overrides
-
-
-def test_variants_share_the_weights_and_differ_in_what_they_ship(checkpoint, tmp_path, capsys):
-    ckpt, overrides = checkpoint
+def test_variants_share_the_weights_and_differ_in_what_they_ship(tiny_checkpoint, tmp_path, capsys):
+    ckpt, overrides = tiny_checkpoint
     out = tmp_path / "bq.json"
     code = bench_quant.main(["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(ckpt),
                              "--variant", "phi8=quant.scheme=rank quant.phi_bits=8 quant.table_bits=6 "
@@ -46,8 +36,8 @@ def test_variants_share_the_weights_and_differ_in_what_they_ship(checkpoint, tmp
     assert "| rd | table | 1 | " in table
 
 
-def test_equal_bytes_gives_every_variant_the_reference_artifacts_size(checkpoint, tmp_path, capsys):
-    ckpt, overrides = checkpoint
+def test_equal_bytes_gives_every_variant_the_reference_artifacts_size(tiny_checkpoint, tmp_path, capsys):
+    ckpt, overrides = tiny_checkpoint
     out = tmp_path / "eq.json"
     args = ["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(ckpt),
             "--variant", "rd=quant.scheme=rd", "--variant", "rec=quant.scheme=sdclip"]
@@ -59,8 +49,8 @@ def test_equal_bytes_gives_every_variant_the_reference_artifacts_size(checkpoint
         bench_quant.main([*args, "--equal-bytes", "nope", "--", *overrides])
 
 
-def test_only_quant_keys_may_vary_and_the_checkpoint_must_exist(checkpoint, tmp_path, capsys):
-    ckpt, overrides = checkpoint
+def test_only_quant_keys_may_vary_and_the_checkpoint_must_exist(tiny_checkpoint, tmp_path, capsys):
+    ckpt, overrides = tiny_checkpoint
     args = ["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(ckpt)]
     with pytest.raises(SystemExit, match=r"variant wide: changes \[model\]"):
         bench_quant.main([*args, "--variant", "wide=model.d_model=64", "--", *overrides])
@@ -75,18 +65,18 @@ def test_only_quant_keys_may_vary_and_the_checkpoint_must_exist(checkpoint, tmp_
         bench_quant.main([*args, "--variant", "a=quant.scheme=rank", "--", *overrides, "model.d_model=64"])
 
 
-def test_calibration_never_reads_a_validation_shard(checkpoint, demo_dir, tmp_path):
+def test_calibration_never_reads_a_validation_shard(tiny_checkpoint, demo_dir, tmp_path):
     """bench_quant calibrates and scores outside train.py, and skipped its checks: with data.train_files matching
     the validation shard too, calibration read validation text. It refuses now, before loading."""
-    ckpt, overrides = checkpoint
+    ckpt, overrides = tiny_checkpoint
     with pytest.raises(SystemExit, match=r"bench_quant: .*fineweb_val_000000.bin is the validation shard"):
         bench_quant.main(["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(ckpt),
                           "--variant", "a=quant.scheme=rank", "--", *overrides, f"data.train_files={demo_dir}/*.bin"])
 
 
-def test_an_artifact_serves_as_the_weights(checkpoint, tmp_path):
+def test_an_artifact_serves_as_the_weights(tiny_checkpoint, tmp_path):
     """Re-quantizing a shipped artifact: its dequantized weights score what the artifact scored."""
-    ckpt, overrides = checkpoint
+    ckpt, overrides = tiny_checkpoint
     args = ["--config", str(REPO / "configs/demo.toml")]
     assert bench_quant.main([*args, "--checkpoint", str(ckpt), "--variant", "rd=quant.scheme=rd", "--keep", str(tmp_path),
                              "--out", str(tmp_path / "a.json"), "--", *overrides]) == 0

@@ -10,7 +10,6 @@ from quant.export import plan_tensors
 from quant import lowrank
 from quant.rd import ErrorModel, tensor_options
 from scripts import bench_lowrank
-from test_train import tiny_overrides
 from training.config import load_config
 from training.export import observed_patterns
 
@@ -68,17 +67,8 @@ def test_the_reference_is_the_grid_nearest_the_bits_that_has_a_finer_one():
     assert lowrank.reference_option(options[:1], w.numel(), 3.0) is None
 
 
-@pytest.fixture(scope="module")
-def checkpoint(demo_dir, tmp_path_factory):
-    import train
-    tmp = tmp_path_factory.mktemp("lr")
-    overrides = [*tiny_overrides(demo_dir, tmp), "train.max_steps=4", "train.checkpoint_every=4"]
-    train.main(["--config", str(REPO / "configs/demo.toml"), *overrides])
-    return tmp / "runs" / "checkpoints" / "tiny" / "step_00000004", overrides
-
-
-def test_the_tool_screens_every_matrix_of_a_checkpoint(checkpoint, capsys):
-    ckpt, overrides = checkpoint
+def test_the_tool_screens_every_matrix_of_a_checkpoint(tiny_checkpoint, capsys):
+    ckpt, overrides = tiny_checkpoint
     bench_lowrank.main(["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(ckpt), "--rank", "2",
                         "--top", "3", "--", *overrides])
     out = capsys.readouterr().out
@@ -97,8 +87,8 @@ def test_the_tool_screens_every_matrix_of_a_checkpoint(checkpoint, capsys):
 @pytest.mark.parametrize("flags, message", [(["--rank", "0"], "--rank 0: expected a number >= 1"),
                                             (["--bits", "9"], "--bits 9.0: expected at most 8"),
                                             (["--factor-bits", "1"], "--factor-bits 1: expected a number >= 2")])
-def test_bad_flags_are_named(checkpoint, flags, message, capsys):
-    ckpt, _ = checkpoint
+def test_bad_flags_are_named(tiny_checkpoint, flags, message, capsys):
+    ckpt, _ = tiny_checkpoint
     with pytest.raises(SystemExit):
         bench_lowrank.main(["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(ckpt), *flags])
     assert message in capsys.readouterr().err
