@@ -145,12 +145,14 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aux: torch.
     if M == 0 or N == 0:
         return
     ieee_fp32 = a.dtype == torch.float32
+    # traced with a symbolic row count (eval.compile's dynamic shapes), the kernels key on it as it is
+    bucket = mlp_triton.row_bucket(M) if isinstance(M, int) else M
     if schedule == "tiled":
         def grid(meta):
             return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
         wrap_triton(mlp_triton.mlp_gemm_kernel)[grid](
-            a, b, out, aux, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
+            a, b, out, aux, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), bucket,
             EPILOGUE=epilogue, IEEE_FP32=ieee_fp32)
         return
     if not tma_compatible(a, b, out, aux):
@@ -168,7 +170,7 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aux: torch.
     b_k_major = b.stride(0) == 1 and b.stride(1) != 1  # b is a transposed view of a row-major [N, K]
     wrap_triton(mlp_triton.mlp_gemm_tma_kernel)[(programs,)](
         a, b, out, aux, M, N, K, a.stride(0), b.stride(1) if b_k_major else b.stride(0), out.stride(0),
-        programs, EPILOGUE=epilogue, B_K_MAJOR=b_k_major, IEEE_FP32=ieee_fp32)
+        programs, bucket, EPILOGUE=epilogue, B_K_MAJOR=b_k_major, IEEE_FP32=ieee_fp32)
 
 
 @triton_op("mhcgolf::mlp_forward", mutates_args=())

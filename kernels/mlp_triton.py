@@ -70,8 +70,16 @@ def _tma_configs() -> list[triton.Config]:
     ]
 
 
-# Tuned per problem shape, epilogue and (implicitly) dtype; results persist in Triton's cache dir.
-_AUTOTUNE_KEY = ["M", "N", "K", "EPILOGUE"]
+# Tuned per problem shape, epilogue and (implicitly) dtype; results persist in Triton's cache dir. The row count
+# enters as its power-of-two bucket, M_BUCKET (an argument the kernels only pass to the autotuner): a pass that meets
+# many row counts, as document-LoRA test-time training does with each chunk's rows and window, would otherwise time
+# every config again at each new one.
+_AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "EPILOGUE"]
+
+
+def row_bucket(rows: int) -> int:
+    """The autotuner's key for a GEMM of `rows` rows: the power of two at or above it."""
+    return 1 << max(rows - 1, 0).bit_length()
 
 
 @triton.jit
@@ -132,7 +140,7 @@ def _epilogue(acc, out_ptr, aux_ptr, M, N, stride_cm, pid_m, pid_n,
 @triton.autotune(configs=_configs(), key=_AUTOTUNE_KEY, cache_results=True)
 @triton.jit
 def mlp_gemm_kernel(a_ptr, b_ptr, out_ptr, aux_ptr, M, N, K,
-                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+                    stride_am, stride_ak, stride_bk, stride_bn, stride_cm, M_BUCKET,
                     EPILOGUE: tl.constexpr, IEEE_FP32: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr):
@@ -155,7 +163,7 @@ def _tma_epilogue(acc, out_desc, aux_desc, off_m, off_n, EPILOGUE: tl.constexpr,
 
 @triton.autotune(configs=_tma_configs(), key=_AUTOTUNE_KEY, cache_results=True)
 @triton.jit
-def mlp_gemm_tma_kernel(a_ptr, b_ptr, out_ptr, aux_ptr, M, N, K, stride_am, stride_b, stride_cm, NUM_PROGRAMS,
+def mlp_gemm_tma_kernel(a_ptr, b_ptr, out_ptr, aux_ptr, M, N, K, stride_am, stride_b, stride_cm, NUM_PROGRAMS, M_BUCKET,
                         EPILOGUE: tl.constexpr, B_K_MAJOR: tl.constexpr, IEEE_FP32: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr, EPILOGUE_SPLIT: tl.constexpr):

@@ -149,8 +149,9 @@ def test_interpreter_tma_epilogue_splits(interpreter, split, epilogue):
     m, k = a.shape
     n = b.shape[1]
     mlp_triton.mlp_gemm_tma_kernel.fn[(3,)](
-        a, b, out, aux, m, n, k, a.stride(0), b.stride(0), out.stride(0), 3, EPILOGUE=epilogue,
-        B_K_MAJOR=False, IEEE_FP32=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, GROUP_M=2, EPILOGUE_SPLIT=split)
+        a, b, out, aux, m, n, k, a.stride(0), b.stride(0), out.stride(0), 3, mlp_triton.row_bucket(m),
+        EPILOGUE=epilogue, B_K_MAJOR=False, IEEE_FP32=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=16, GROUP_M=2,
+        EPILOGUE_SPLIT=split)
     assert rel_err(out, want_out) < 1e-5
     assert rel_err(aux, want_aux) < 1e-5
 
