@@ -27,9 +27,9 @@ first eval.ttt_phase_docs documents, so they count as timed, unscaled; a prefix 
 phases, and the command says so.
 
 One-off costs belong in the warm-up: graphs (eval.compile), and the Triton MLP kernels' autotuning, which runs once
-for each new number of rows a GEMM meets when they are called eagerly. The document-LoRA chunks meet a new one with
-most new (rows, window) shapes, so a warm-up shorter than the timed tokens leaves autotuning in the timed pass;
---warmup-tokens equal to --tokens moves it out (the split meets more such shapes than a prefix, once each).
+for each power-of-two bucket of the number of rows a GEMM meets when they are called eagerly (under dynamic-shape
+compilation the row count itself is the key). A warm-up shorter than the timed tokens can leave some of it in the
+timed pass; --warmup-tokens equal to --tokens moves it out.
 """
 from __future__ import annotations
 
