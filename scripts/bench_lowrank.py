@@ -9,7 +9,8 @@ parameter and compares two ways of spending more bytes on it (quant/lowrank.py):
 rate–distortion allocation, and the best rank-r correction of the quantization error in the allocator's own error
 norm. The correction's gain is a bound (an unquantized rank-r factor pair) and its bytes are counted at
 --factor-bits a value, so a ratio well below 1 means it would not pay there, and one near 1 is too close to call.
-Prints the --top matrices by that ratio and how many are above 1. Embedding tables are left out: their error has a per-entry term.
+Prints the --top matrices by that ratio, how many are above 1, and what share of all the screened error their
+corrections would remove. Embedding tables are left out: their error has a per-entry term.
 """
 from __future__ import annotations
 
@@ -70,9 +71,13 @@ def format_table(screens: list[Screen], top: int, rank: int) -> str:
         lines.append(f"| {s.name} | {s.shape[0]}×{s.shape[1]} | {s.bits_per_param:.2f} | {s.error:.3e} | "
                      f"{s.grid_gain:.3e} / {s.grid_bytes:,.0f} | {s.lowrank_gain:.3e} / {s.lowrank_bytes:,.0f} | "
                      f"{s.top_share:.1%} | {s.ratio:.2f} |")
-    above = sum(s.ratio > 1 for s in screens)
-    lines.append(f"\n{above} of {len(screens)} matrices: a rank-{rank} correction would remove more error per byte "
-                 "than the next grid (ratio > 1)")
+    above = [s for s in screens if s.ratio > 1]
+    lines.append(f"\n{len(above)} of {len(screens)} matrices: a rank-{rank} correction would remove more error per "
+                 "byte than the next grid (ratio > 1)")
+    # what the verdict rests on: a ratio above 1 on a matrix holding little of the error moves the score by little
+    total, gain = sum(s.error for s in screens), sum(s.lowrank_gain for s in above)
+    lines.append(f"their corrections would remove {gain:.3e} of the screened matrices' {total:.3e} weighted error "
+                 f"({gain / total if total > 0 else 0.0:.2%}) for {sum(s.lowrank_bytes for s in above):,.0f} bytes")
     return "\n".join(lines)
 
 

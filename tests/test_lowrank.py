@@ -98,3 +98,17 @@ def test_a_missing_checkpoint_is_named(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_lowrank.main(["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(tmp_path)])
     assert "no rank0.pt and not an artifact" in capsys.readouterr().err
+
+
+def test_the_summary_counts_the_error_the_paying_corrections_would_remove():
+    """The verdict's weight: the gain of the corrections with a ratio above 1, against all screened error."""
+    def screen(name, error, lowrank_gain, lowrank_bytes):
+        return lowrank.Screen(name, (8, 8), 3.0, error, 1e-3, 1000.0, lowrank_gain, lowrank_bytes,
+                              lowrank_gain / error)
+    screens = [screen("pays", 0.01, 2e-3, 1000.0),      # 2e-6 a byte against the grid's 1e-6: ratio 2
+               screen("pays too", 0.03, 3e-3, 2000.0),  # ratio 1.5
+               screen("does not", 0.16, 5e-4, 1000.0)]  # ratio 0.5: its gain is not counted
+    assert [round(s.ratio, 6) for s in screens] == [2.0, 1.5, 0.5]
+    out = bench_lowrank.format_table(screens, top=1, rank=4)
+    assert "2 of 3 matrices: a rank-4 correction" in out
+    assert "would remove 5.000e-03 of the screened matrices' 2.000e-01 weighted error (2.50%) for 3,000 bytes" in out
