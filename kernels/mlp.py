@@ -145,7 +145,8 @@ def launch_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, aux: torch.
     if M == 0 or N == 0:
         return
     ieee_fp32 = a.dtype == torch.float32
-    # traced with a symbolic row count (eval.compile's dynamic shapes), the kernels key on it as it is
+    # traced by torch.compile the row count may be a symbol; the key is then unused, as inductor's own autotuner
+    # launches the kernels and times the configs once, at the compiled kernel's first launch
     bucket = mlp_triton.row_bucket(M) if isinstance(M, int) else M
     if schedule == "tiled":
         def grid(meta):

@@ -73,7 +73,7 @@ def _tma_configs() -> list[triton.Config]:
 # Tuned per problem shape, epilogue and (implicitly) dtype; results persist in Triton's cache dir. The row count
 # enters as its power-of-two bucket, M_BUCKET (an argument the kernels only pass to the autotuner): a pass that meets
 # many row counts, as document-LoRA test-time training does with each chunk's rows and window, would otherwise time
-# every config again at each new one.
+# every config again at each new one. (Under torch.compile inductor's autotuner launches them and ignores the key.)
 _AUTOTUNE_KEY = ["M_BUCKET", "N", "K", "EPILOGUE"]
 
 

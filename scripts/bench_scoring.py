@@ -27,8 +27,8 @@ first eval.ttt_phase_docs documents, so they count as timed, unscaled; a prefix 
 phases, and the command says so.
 
 One-off costs belong in the warm-up: graphs (eval.compile), and the Triton MLP kernels' autotuning, which runs once
-for each power-of-two bucket of the number of rows a GEMM meets when they are called eagerly (under dynamic-shape
-compilation the row count itself is the key). A warm-up shorter than the timed tokens can leave some of it in the
+for each power-of-two bucket of the number of rows a GEMM meets when they are called eagerly (compiled, inductor
+times them once, at a graph's first launch). A warm-up shorter than the timed tokens can leave some of it in the
 timed pass; --warmup-tokens equal to --tokens moves it out.
 """
 from __future__ import annotations
