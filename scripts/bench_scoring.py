@@ -24,7 +24,9 @@ per token stand for them. The warm-up also holds the scoring of its own tokens, 
 row's estimate holds both passes, as scripts.evaluate and train.py run them; the plain row is the plain pass alone.
 The document-LoRA pass's phases of global SGD (ttt_phase_time_s, shown beside its TTT seconds) train on the split's
 first eval.ttt_phase_docs documents, so they count as timed, unscaled; a prefix holding fewer documents times fewer
-phases, and the command says so.
+phases, and the command says so. --sample-batches N times, in place of a prefix, the documents of N of the
+document-LoRA pass's own batches over the split, spread over them (sampled_batches): shapes of the whole split
+rather than of its first documents, which narrows the range.
 
 One-off costs belong in the warm-up: graphs (eval.compile), and the Triton MLP kernels' autotuning, which runs once
 for each power-of-two bucket of the number of rows a GEMM meets when they are called eagerly (compiled, inductor
@@ -46,11 +48,12 @@ from data.loader import load_tokens
 from data.shards import read_header
 from training.eval_config import TTT_METHODS, EvalConfig
 from training.score import load_model, recorded_eval, score_model
-from training.ttt_lora import chunk_work, segments, split_documents
+from training.ttt_lora import chunk_work, segment_batches, segments, split_documents
 from training.scoring_inputs import (INPUT_ERRORS, SETTINGS, add_scoring_arguments, checked_tokens, open_validation,
                                      parse_scoring_arguments)
 
 
+DEFAULT_TOKENS = 524_288
 TUNABLE = tuple(key for key in SETTINGS if key not in ("ttt", "compile"))  # the rows set those two
 
 
@@ -132,9 +135,28 @@ def lora_work_lines(cfg: EvalConfig, timed: np.ndarray, full: np.ndarray | None
     if timed_phases < phases:
         lines.append(f"doc_lora: the timed tokens hold {timed_docs:,} documents, so {timed_phases} of the split's "
                      f"{phases} phases of global SGD ran (eval.ttt_phase_docs {cfg.ttt_phase_docs} in "
-                     f"{cfg.ttt_phases} parts): the estimate counts those alone; --tokens holding more than "
-                     f"{cfg.ttt_phase_docs:,} documents times them all")
+                     f"{cfg.ttt_phases} parts): the estimate counts those alone; timed tokens holding more "
+                     f"than {cfg.ttt_phase_docs:,} documents time them all")
     return ratios, lines
+
+
+def sampled_batches(tokens: np.ndarray, cfg: EvalConfig, n: int) -> np.ndarray:
+    """The documents of n of the document-LoRA pass's batches over `tokens` (one rank), the middle batch of each of n
+    equal runs of its batches in their order, as a stream of their own in validation order (each document's inputs,
+    then the token after the last one: the targets are the split's). A batch holds documents of near-equal length,
+    so the stream's own batches have shapes from the whole split, its longest documents to its shortest, where a
+    prefix holds its first few hundred documents only."""
+    docs = split_documents(tokens)
+    plan = [batch for segment in segments(len(docs), cfg.ttt_phase_docs, cfg.ttt_phases)
+            for batch in segment_batches(docs, segment, cfg.ttt_lora_docs)]
+    if not 1 <= n <= len(plan):
+        raise ValueError(f"--sample-batches {n}: expected 1 to {len(plan):,}, the document-LoRA pass's batches "
+                         f"over the split at eval.ttt_lora_docs {cfg.ttt_lora_docs}")
+    picked = [(2 * i + 1) * len(plan) // (2 * n) for i in range(n)]  # the middle batch of each of n equal runs
+    ids = sorted(d for i in picked for d in plan[i])
+    last_start, last_targets = docs[ids[-1]]
+    return np.concatenate([tokens[s:s + t] for s, t in (docs[d] for d in ids)]
+                          + [tokens[last_start + last_targets:last_start + last_targets + 1]])
 
 
 def estimate_cell(low: float, high: float) -> str:
@@ -156,7 +178,11 @@ def format_table(rows: list[Row], full_tokens: int) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_scoring_arguments(p, TUNABLE, "default: the run's, else EvalConfig's")
-    p.add_argument("--tokens", type=int, default=524_288, help="validation tokens each timed pass scores")
+    p.add_argument("--tokens", type=int, default=None,
+                   help=f"validation tokens each timed pass scores, from the first (default {DEFAULT_TOKENS:,})")
+    p.add_argument("--sample-batches", type=int, default=0,
+                   help="instead of a prefix, time the documents of this many of the document-LoRA pass's batches, "
+                        "spread evenly over the split (needs doc_lora in --passes)")
     p.add_argument("--warmup-tokens", type=int, default=65_536,
                    help="tokens of the warm-up pass before each timed one (compiles the graphs with eval.compile)")
     p.add_argument("--passes", default="none,chunk_sgd,doc_lora",
@@ -170,6 +196,9 @@ def main(argv=None) -> None:
     if unread:
         p.error(f"eval.{unread[0]} is read by none of --passes {','.join(methods)}")
     compiles = [c == "true" for c in parse_list(p, "--compile", a.compile, ("false", "true"))]
+    if a.sample_batches:
+        check_sampling(p, a, methods)
+    a.tokens = DEFAULT_TOKENS if a.tokens is None else a.tokens
     for flag, value in (("--tokens", a.tokens), ("--warmup-tokens", a.warmup_tokens)):
         if value < 2:
             p.error(f"{flag} {value}: expected at least 2 (a target and its context)")
@@ -183,22 +212,41 @@ def main(argv=None) -> None:
         sys.exit(f"scripts.bench_scoring: {a.artifact}: {e}")
 
 
+def check_sampling(p: argparse.ArgumentParser, a: argparse.Namespace, methods: list[str]) -> None:
+    """--sample-batches replaces the prefix and samples the split's own documents."""
+    if a.sample_batches < 0:
+        p.error(f"--sample-batches {a.sample_batches}: expected 0 (a prefix) or a number of batches")
+    if "doc_lora" not in methods:
+        p.error("--sample-batches samples the document-LoRA pass's batches: expected doc_lora in --passes")
+    if a.tokens is not None:
+        p.error("--sample-batches and --tokens: give one (the sample's documents are the timed tokens)")
+    if a.full_tokens:
+        p.error("--sample-batches with --full-tokens: the sample is drawn from --val's own documents, which are "
+                "the split estimated for")
+
+
 def bench(a: argparse.Namespace, methods: list[str], compiles: list[bool], device: torch.device) -> None:
     artifact = Path(a.artifact)
     pattern, shards, sp = open_validation(a.val, a.tokenizer)
     model, meta = load_model(artifact, device)
     in_split = sum(read_header(s) for s in shards)
-    if a.tokens > in_split:
+    if not a.sample_batches and a.tokens > in_split:
         sys.exit(f"scripts.bench_scoring: --tokens {a.tokens:,}: {pattern} holds {in_split:,} tokens "
                  f"(hint: --tokens {in_split} or fewer)")
-    tokens, lut, _ = checked_tokens(artifact, meta, model.cfg.vocab_size, pattern, shards, sp, a.tokenizer, a.tokens)
+    tokens, lut, _ = checked_tokens(artifact, meta, model.cfg.vocab_size, pattern, shards, sp, a.tokenizer,
+                                    0 if a.sample_batches else a.tokens)
     del model
+    full = load_tokens(shards) if a.full_tokens == 0 and "doc_lora" in methods and not a.sample_batches else None
+    if a.sample_batches:
+        full = tokens
+        lora = {**settings_for("doc_lora", a.eval), "ttt": "doc_lora"}
+        tokens = sampled_batches(full, recorded_eval(meta, artifact, **lora), a.sample_batches)
     warmup = tokens[:a.warmup_tokens]
     full_tokens = a.full_tokens or in_split
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"{artifact}: {len(tokens):,} timed tokens, {len(warmup):,} warm-up tokens, on {name}; "
+    sampled = f" (the documents of {a.sample_batches:,} document-LoRA batches)" if a.sample_batches else ""
+    print(f"{artifact}: {len(tokens):,} timed tokens{sampled}, {len(warmup):,} warm-up tokens, on {name}; "
           f"estimates for {full_tokens:,} tokens", flush=True)
-    full = load_tokens(shards) if a.full_tokens == 0 and "doc_lora" in methods else None
     rows, notes = [], []
     for method in methods:
         given = {**settings_for(method, a.eval), "ttt": method}

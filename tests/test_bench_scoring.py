@@ -57,8 +57,8 @@ def test_the_work_ratios_read_the_documents_and_name_untimed_phases():
                         f"{counts(steps_t, positions_t, timed)} in the timed tokens, "
                         f"{counts(steps_s, positions_s, split)} in the split: the estimate spans both ratios")
     assert lines[1] == ("doc_lora: the timed tokens hold 3 documents, so 0 of the split's 2 phases of global SGD ran "
-                        "(eval.ttt_phase_docs 6 in 2 parts): the estimate counts those alone; --tokens holding more "
-                        "than 6 documents times them all")
+                        "(eval.ttt_phase_docs 6 in 2 parts): the estimate counts those alone; timed tokens holding "
+                        "more than 6 documents time them all")
     assert bench_scoring.lora_work_lines(cfg, docs(4, 40), split)[1][1].startswith(
         "doc_lora: the timed tokens hold 4 documents, so 1 of the split's 2 phases")
     whole = f"{counts(steps_s, positions_s, split)} in the timed tokens, {counts(steps_s, positions_s, split)} in"
@@ -67,6 +67,57 @@ def test_the_work_ratios_read_the_documents_and_name_untimed_phases():
         "spans both ratios"])  # 20 documents: every phase
     ratios, lines = bench_scoring.lora_work_lines(replace(cfg, ttt_phases=0), timed, None)  # --full-tokens: no split
     assert ratios is None and len(lines) == 1 and lines[0].endswith("in the timed tokens")
+
+
+def test_a_sample_is_whole_batches_spread_over_the_split_with_the_splits_targets():
+    """20 documents of 5 to 62 targets in a shuffled order, batches of four: the pass's five batches run from the
+    longest four to the shortest four. Two batches: the middle ones of the first three and of the last two (the
+    second and the fourth), their documents in validation order with their own targets, and the sample's own batches
+    are those two again; five: the split itself."""
+    rng = np.random.default_rng(0)
+    lengths = [5 + 3 * i for i in rng.permutation(20)]
+    tokens = np.concatenate([np.concatenate([[1], rng.integers(4, 50, n - 1)]) for n in lengths] + [[1]])
+    tokens = tokens.astype(np.uint16)
+    cfg = EvalConfig(ttt="doc_lora", ttt_lora_docs=4, ttt_phase_docs=0, ttt_phases=0)
+    docs = ttt_lora.split_documents(tokens)
+    plan = ttt_lora.segment_batches(docs, range(len(docs)), 4)
+    assert np.array_equal(bench_scoring.sampled_batches(tokens, cfg, 5), tokens)
+    sample = bench_scoring.sampled_batches(tokens, cfg, 2)
+    picked = sorted(plan[1] + plan[3])
+    own = ttt_lora.split_documents(sample)
+    assert [n for _, n in own] == [docs[d][1] for d in picked]
+    for (s, n), d in zip(own, picked):
+        assert np.array_equal(sample[s:s + n + 1], tokens[docs[d][0]:docs[d][0] + n + 1])
+    own_plan = ttt_lora.segment_batches(own, range(len(own)), 4)
+    assert [[own[d][1] for d in b] for b in own_plan] == [[docs[d][1] for d in b] for b in (plan[1], plan[3])]
+    for n in (0, 6):
+        with pytest.raises(ValueError, match=rf"--sample-batches {n}: expected 1 to 5, the document-LoRA pass's "
+                                             r"batches over the split at eval.ttt_lora_docs 4"):
+            bench_scoring.sampled_batches(tokens, cfg, n)
+
+
+def test_the_timed_tokens_can_be_a_sample_of_the_splits_batches(tiny_seed_runs, demo_dir, monkeypatch, capsys):
+    """--sample-batches: every row times the sample's tokens, and the document-LoRA estimate scales by the whole
+    split's work over the sample's."""
+    timed = []
+
+    def fixed(artifact, tokens, warmup, lut, settings, device):
+        timed.append(tokens)
+        return Row(settings["ttt"], settings["compile"], 1.0, 2.0, 3.0, len(tokens))
+    monkeypatch.setattr(bench_scoring, "time_row", fixed)
+    artifact = tiny_seed_runs.root / "runs" / f"tiny-run-s{TINY_SEEDS[0]}.mhcg"
+    bench_scoring.main(["--artifact", str(artifact), "--val", str(demo_dir), "--tokenizer",
+                        str(demo_dir / "tokenizer.model"), "--sample-batches", "2", "--passes", "none,doc_lora",
+                        "--compile", "false", "--device", "cpu", "eval.ttt_lora_docs=2"])
+    out = capsys.readouterr().out
+    from data.loader import load_tokens
+    split = load_tokens(list_shards(str(demo_dir / "fineweb_val_*.bin")))
+    cfg = EvalConfig(ttt="doc_lora", ttt_lora_docs=2)
+    sample = bench_scoring.sampled_batches(split, cfg, 2)
+    assert len(timed) == 2 and all(np.array_equal(t, sample) for t in timed)
+    assert f"{len(sample):,} timed tokens (the documents of 2 document-LoRA batches)" in out
+    assert ttt_lora.chunk_work(sample, cfg) != ttt_lora.chunk_work(split, cfg)
+    assert re.search(r"in the timed tokens, [\d.]+ and [\d.]+ in the split: the estimate spans both ratios", out)
 
 
 def table_rows(out: str) -> list[list[str]]:
@@ -130,6 +181,11 @@ def test_the_count_to_estimate_for_can_be_given(tiny_seed_runs, demo_dir, monkey
     (["eval.compile=true"], "eval.compile"),
     (["eval.ttt=chunk_sgd"], "eval.ttt"),
     (["--passes", "none", "eval.ttt_lr=0.01"], "eval.ttt_lr is read by none of --passes none"),
+    (["--sample-batches", "-1"], "--sample-batches -1: expected 0 (a prefix) or a number of batches"),
+    (["--sample-batches", "2", "--passes", "none"], "--sample-batches samples the document-LoRA pass's batches: "
+                                                    "expected doc_lora in --passes"),
+    (["--sample-batches", "2", "--tokens", "600"], "--sample-batches and --tokens: give one"),
+    (["--sample-batches", "2", "--full-tokens", "600"], "--sample-batches with --full-tokens: the sample is drawn"),
 ])
 def test_bad_flags_are_named_by_the_parser(demo_dir, flags, message, capsys):
     with pytest.raises(SystemExit) as stop:
