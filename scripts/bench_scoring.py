@@ -53,7 +53,7 @@ from training.scoring_inputs import (INPUT_ERRORS, SETTINGS, add_scoring_argumen
                                      parse_scoring_arguments)
 
 
-DEFAULT_TOKENS = 524_288
+DEFAULT_TOKENS, DEFAULT_WARMUP_TOKENS = 524_288, 65_536
 TUNABLE = tuple(key for key in SETTINGS if key not in ("ttt", "compile"))  # the rows set those two
 
 
@@ -183,8 +183,9 @@ def main(argv=None) -> None:
     p.add_argument("--sample-batches", type=int, default=0,
                    help="instead of a prefix, time the documents of this many of the document-LoRA pass's batches, "
                         "spread evenly over the split (needs doc_lora in --passes)")
-    p.add_argument("--warmup-tokens", type=int, default=65_536,
-                   help="tokens of the warm-up pass before each timed one (compiles the graphs with eval.compile)")
+    p.add_argument("--warmup-tokens", type=int, default=None,
+                   help="tokens of the warm-up pass before each timed one, from the timed tokens' first (compiles "
+                        f"the graphs with eval.compile; default {DEFAULT_WARMUP_TOKENS:,}, or all of a sample's)")
     p.add_argument("--passes", default="none,chunk_sgd,doc_lora",
                    help=f"eval.ttt methods to time, comma-separated, of {', '.join(TTT_METHODS)}")
     p.add_argument("--compile", default="false,true", help="eval.compile settings to time each method with")
@@ -198,10 +199,12 @@ def main(argv=None) -> None:
     compiles = [c == "true" for c in parse_list(p, "--compile", a.compile, ("false", "true"))]
     if a.sample_batches:
         check_sampling(p, a, methods)
-    a.tokens = DEFAULT_TOKENS if a.tokens is None else a.tokens
     for flag, value in (("--tokens", a.tokens), ("--warmup-tokens", a.warmup_tokens)):
-        if value < 2:
+        if value is not None and value < 2:
             p.error(f"{flag} {value}: expected at least 2 (a target and its context)")
+    a.tokens = DEFAULT_TOKENS if a.tokens is None else a.tokens
+    if a.warmup_tokens is None and not a.sample_batches:  # a sample warms up on all of itself
+        a.warmup_tokens = DEFAULT_WARMUP_TOKENS
     if a.full_tokens < 0:
         p.error(f"--full-tokens {a.full_tokens}: expected 0 (every token of --val) or a positive count")
     try:
@@ -236,12 +239,12 @@ def bench(a: argparse.Namespace, methods: list[str], compiles: list[bool], devic
     tokens, lut, _ = checked_tokens(artifact, meta, model.cfg.vocab_size, pattern, shards, sp, a.tokenizer,
                                     0 if a.sample_batches else a.tokens)
     del model
-    full = load_tokens(shards) if a.full_tokens == 0 and "doc_lora" in methods and not a.sample_batches else None
-    if a.sample_batches:
-        full = tokens
-        lora = {**settings_for("doc_lora", a.eval), "ttt": "doc_lora"}
+    if a.sample_batches:  # every token of --val, checked above: the split, and the sample drawn from it
+        full, lora = tokens, {**settings_for("doc_lora", a.eval), "ttt": "doc_lora"}
         tokens = sampled_batches(full, recorded_eval(meta, artifact, **lora), a.sample_batches)
-    warmup = tokens[:a.warmup_tokens]
+    else:
+        full = load_tokens(shards) if a.full_tokens == 0 and "doc_lora" in methods else None
+    warmup = tokens[:a.warmup_tokens]  # None: all of them
     full_tokens = a.full_tokens or in_split
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     sampled = f" (the documents of {a.sample_batches:,} document-LoRA batches)" if a.sample_batches else ""

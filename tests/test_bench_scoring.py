@@ -97,11 +97,12 @@ def test_a_sample_is_whole_batches_spread_over_the_split_with_the_splits_targets
 
 
 def test_the_timed_tokens_can_be_a_sample_of_the_splits_batches(tiny_seed_runs, demo_dir, monkeypatch, capsys):
-    """--sample-batches: every row times the sample's tokens, and the document-LoRA estimate scales by the whole
-    split's work over the sample's."""
+    """--sample-batches: every row times the sample's tokens after a warm-up on all of them, and the document-LoRA
+    estimate scales by the whole split's work over the sample's."""
     timed = []
 
     def fixed(artifact, tokens, warmup, lut, settings, device):
+        assert np.array_equal(warmup, tokens)
         timed.append(tokens)
         return Row(settings["ttt"], settings["compile"], 1.0, 2.0, 3.0, len(tokens))
     monkeypatch.setattr(bench_scoring, "time_row", fixed)
@@ -115,7 +116,7 @@ def test_the_timed_tokens_can_be_a_sample_of_the_splits_batches(tiny_seed_runs, 
     cfg = EvalConfig(ttt="doc_lora", ttt_lora_docs=2)
     sample = bench_scoring.sampled_batches(split, cfg, 2)
     assert len(timed) == 2 and all(np.array_equal(t, sample) for t in timed)
-    assert f"{len(sample):,} timed tokens (the documents of 2 document-LoRA batches)" in out
+    assert f"{len(sample):,} timed tokens (the documents of 2 document-LoRA batches), {len(sample):,} warm-up" in out
     assert ttt_lora.chunk_work(sample, cfg) != ttt_lora.chunk_work(split, cfg)
     assert re.search(r"in the timed tokens, [\d.]+ and [\d.]+ in the split: the estimate spans both ratios", out)
 
