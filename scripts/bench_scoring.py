@@ -38,7 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -257,8 +257,8 @@ def bench(a: argparse.Namespace, methods: list[str], compiles: list[bool], devic
         if method == "doc_lora":
             work, notes = lora_work_lines(recorded_eval(meta, artifact, **given), tokens, full)
         for on in compiles:
-            rows.append(time_row(artifact, tokens, warmup, lut, {**given, "compile": on}, device))
-            rows[-1].ttt_work = work
+            rows.append(replace(time_row(artifact, tokens, warmup, lut, {**given, "compile": on}, device),
+                                ttt_work=work))
             print(f"timed eval.ttt={method} eval.compile={str(on).lower()}", file=sys.stderr, flush=True)
     print("\n" + format_table(rows, full_tokens) + "".join("\n" + line for line in notes))
 
