@@ -249,6 +249,28 @@ def test_compiled_doc_lora_scores_as_eager_in_three_graphs(monkeypatch):
         torch._dynamo.reset()
 
 
+def test_compiled_doc_lora_traces_each_graph_once_through_mhc(monkeypatch):
+    """With the sizes symbolic, Dynamo made the modules' float constants symbolic too, and on the mHC path a later
+    pass had to specialize one and restarted the whole trace: AOTAutograd ran twice for the first graph (five backend
+    calls for three graphs). Floats are constants from the start: one call a graph, and the scores are eager's."""
+    from training import evaluate
+    aot, calls = torch._dynamo.lookup_backend("aot_eager"), []
+    monkeypatch.setattr(evaluate, "COMPILE_BACKEND", lambda gm, inputs: calls.append(1) or aot(gm, inputs))
+
+    def mhc_model() -> GPT:
+        torch.manual_seed(0)
+        return GPT(ModelConfig(vocab_size=VOCAB, n_layers=2, d_model=32, n_heads=2, n_kv_heads=1, n_streams=2,
+                               mhc_blocks=1))
+    tokens = documents()
+    torch._dynamo.reset()
+    try:
+        compiled = per_target_nll(tokens, replace(SMALL, compile=True), mhc_model())
+        assert len(calls) == 3  # the chunks with and without the adapters' gradient, the phases' steps
+        assert torch.allclose(compiled, per_target_nll(tokens, model=mhc_model()), atol=1e-5)
+    finally:
+        torch._dynamo.reset()
+
+
 def ranks_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     join_env(rank, world, port)

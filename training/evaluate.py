@@ -34,7 +34,13 @@ def compiled(fn: Callable, on: bool, *, dynamic: bool) -> Callable:
     # with the sequence length symbolic, the padded product's saved strides were fixed at the first length's values,
     # and the backward at the next length failed its stride check (torch 2.11 on CUDA).
     options = {"shape_padding": False} if dynamic and COMPILE_BACKEND == "inductor" else None
-    return torch.compile(fn, backend=COMPILE_BACKEND, dynamic=dynamic, options=options)
+    graph = torch.compile(fn, backend=COMPILE_BACKEND, dynamic=dynamic, options=options)
+    if not dynamic:
+        return graph
+    # With sizes symbolic, Dynamo also makes the modules' float attributes (constants such as the Sinkhorn floor)
+    # symbolic floats, and a later pass that has to specialize them restarts the whole trace: dynamo and the
+    # forward-backward trace ran twice. Taken as constants from the start, the trace runs once.
+    return torch._dynamo.config.patch(specialize_float=True)(graph)
 
 
 @dataclass(frozen=True)
