@@ -37,9 +37,9 @@ def compiled(fn: Callable, on: bool, *, dynamic: bool) -> Callable:
     graph = torch.compile(fn, backend=COMPILE_BACKEND, dynamic=dynamic, options=options)
     if not dynamic:
         return graph
-    # With sizes symbolic, Dynamo also makes the modules' float attributes (constants such as the Sinkhorn floor)
-    # symbolic floats, and a later pass that has to specialize them restarts the whole trace: dynamo and the
-    # forward-backward trace ran twice. Taken as constants from the start, the trace runs once.
+    # With sizes symbolic, Dynamo also makes float constants symbolic (module attributes, and globals such as the
+    # Sinkhorn floor), and where a later pass has to specialize one it restarts the whole trace: Dynamo and the
+    # forward-backward trace then run twice. Taken as constants from the start, they run once.
     return torch._dynamo.config.patch(specialize_float=True)(graph)
 
 
