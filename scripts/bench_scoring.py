@@ -48,7 +48,7 @@ from data.loader import load_tokens
 from data.shards import read_header
 from training.eval_config import TTT_METHODS, EvalConfig
 from training.score import load_model, recorded_eval, score_model
-from training.ttt_lora import chunk_work, segment_batches, segments, split_documents
+from training.ttt_lora import chunk_work, pass_batches, segments, split_documents
 from training.scoring_inputs import (INPUT_ERRORS, SETTINGS, add_scoring_arguments, checked_tokens, open_validation,
                                      parse_scoring_arguments)
 
@@ -147,8 +147,7 @@ def sampled_batches(tokens: np.ndarray, cfg: EvalConfig, n: int) -> np.ndarray:
     so the stream's own batches have shapes from the whole split, its longest documents to its shortest, where a
     prefix holds its first few hundred documents only."""
     docs = split_documents(tokens)
-    plan = [batch for segment in segments(len(docs), cfg.ttt_phase_docs, cfg.ttt_phases)
-            for batch in segment_batches(docs, segment, cfg.ttt_lora_docs)]
+    plan = [batch for _, batches in pass_batches(docs, cfg) for batch in batches]
     if not 1 <= n <= len(plan):
         raise ValueError(f"--sample-batches {n}: expected 1 to {len(plan):,}, the document-LoRA pass's batches "
                          f"over the split at eval.ttt_lora_docs {cfg.ttt_lora_docs}")

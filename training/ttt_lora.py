@@ -103,6 +103,12 @@ def segment_batches(docs: list[tuple[int, int]], segment: range, per_batch: int)
     return [order[i:i + per_batch] for i in range(0, len(order), per_batch)]
 
 
+def pass_batches(docs: list[tuple[int, int]], cfg: EvalConfig) -> list[tuple[range, list[list[int]]]]:
+    """The pass's plan over `docs` (all ranks): each segment (see segments) with its batches (see segment_batches)."""
+    return [(segment, segment_batches(docs, segment, cfg.ttt_lora_docs))
+            for segment in segments(len(docs), cfg.ttt_phase_docs, cfg.ttt_phases)]
+
+
 def batch_rows(batch: list[tuple[int, int]], docs_per_batch: int) -> list[tuple[int, int]]:
     """The rows of a batch (start, number of targets): its documents, and a padding row with no target beside a lone
     document where a batch may hold two (a row count of one would take compiled graphs of its own)."""
@@ -134,8 +140,8 @@ def chunk_work(tokens: np.ndarray, cfg: EvalConfig) -> tuple[int, int]:
     number of tokens alone. A pass bound by the device's work takes time in proportion to the positions; one bound
     by the host's launches, in proportion to the steps."""
     docs, steps, positions = split_documents(tokens), 0, 0
-    for segment in segments(len(docs), cfg.ttt_phase_docs, cfg.ttt_phases):
-        for batch in segment_batches(docs, segment, cfg.ttt_lora_docs):
+    for _, batches in pass_batches(docs, cfg):
+        for batch in batches:
             lengths = [n for _, n in batch_rows([docs[d] for d in batch], cfg.ttt_lora_docs)]
             for _, rows, width in chunk_shapes(lengths, cfg.ttt_lora_chunk, cfg.context):
                 steps, positions = steps + 1, positions + rows * width
@@ -319,16 +325,15 @@ def doc_lora_scores(model: nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Eva
     # eval.compile: the ~context/ttt_lora_chunk window lengths and the chunks' row counts share one graph, both sizes
     # symbolic (two: with and without the adapters' gradient, at a batch's last chunk)
     nll_fn = compiled(adapted_nll, cfg.compile, dynamic=True)
-    plan = segments(len(docs), cfg.ttt_phase_docs, cfg.ttt_phases)
-    batches = [segment_batches(docs, segment, cfg.ttt_lora_docs)[rank::world_size] for segment in plan]
-    mine, done, scored_through = sum(len(b) for bs in batches for b in bs), 0, 0
+    plan = [(segment, batches[rank::world_size]) for segment, batches in pass_batches(docs, cfg)]
+    mine, done, scored_through = sum(len(b) for _, bs in plan for b in bs), 0, 0
     t0 = last_said = time.perf_counter()
     try:
-        for k, segment in enumerate(plan):
+        for k, (segment, batches) in enumerate(plan):
             for p in trainable:
                 p.requires_grad_(False)  # the adapters alone train within a segment
             with adapted(model, adapters):
-                for batch in batches[k]:
+                for batch in batches:
                     yield from score_documents(model, adapters, [docs[d] for d in batch], all_tokens, all_bytes, cfg,
                                                amp=amp, before_batch=before_batch, nll_fn=nll_fn)
                     done += len(batch)
