@@ -270,7 +270,9 @@ def score_documents(model: nn.Module, adapters: Adapters, batch: list[tuple[int,
         scored = valid & (relative >= c * chunk_len)
         first, stop = trained_targets(c, n_targets, chunk_len)
         training = bool((stop > first).any())
-        with torch.set_grad_enabled(training), amp:
+        # with the gradient on at a batch's last chunk too, which trains on nothing: compiled, a chunk without it
+        # takes a graph of its own, whose compilation costs more than the few activations kept for nothing
+        with torch.enable_grad(), amp:
             nll = nll_fn(model, adapters.head, x, y, chunk_len)
         yield inputs + 1, nll.detach().double(), all_bytes[inputs], scored
         scored_to = torch.maximum(scored_to, n_targets.clamp(max=(c + 1) * chunk_len))
@@ -323,7 +325,7 @@ def doc_lora_scores(model: nn.Module, tokens: np.ndarray, lut: ByteLUT, cfg: Eva
     model.eval()  # train_on_chunk leaves it so after each phase too
     adapters = Adapters(model, cfg.ttt_lora_rank, cfg.ttt_lora_docs, device)
     # eval.compile: the ~context/ttt_lora_chunk window lengths and the chunks' row counts share one graph, both sizes
-    # symbolic (two: with and without the adapters' gradient, at a batch's last chunk)
+    # symbolic, with the adapters' gradient (see score_documents)
     nll_fn = compiled(adapted_nll, cfg.compile, dynamic=True)
     plan = [(segment, batches[rank::world_size]) for segment, batches in pass_batches(docs, cfg)]
     mine, done, scored_through = sum(len(b) for _, bs in plan for b in bs), 0, 0
