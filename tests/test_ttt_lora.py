@@ -217,9 +217,9 @@ def test_score_model_reports_doc_lora_beside_the_plain_score_and_keeps_the_weigh
 def test_compiled_doc_lora_scores_as_eager_in_two_graphs(monkeypatch):
     """eval.compile: the chunks' windows of 8, 16, 24 and 32 tokens share one graph with the sequence length symbolic,
     with the adapters' gradient, a batch's last chunk too (which trains on nothing, and without the gradient would
-    take a graph of its own); the phases' SGD steps take a second. Scores
-    are eager's (dynamo's graphs run eagerly here), and a later token still reaches no earlier score. The plain
-    residual stream: the shapes decide the graphs, and mHC's Sinkhorn rounds take long to trace on a CPU."""
+    take a graph of its own); the phases' SGD steps take a second. Scores are eager's (dynamo's graphs run eagerly
+    here), and a later token still reaches no earlier score. The plain residual stream: the shapes decide the graphs,
+    and mHC's Sinkhorn rounds take long to trace on a CPU."""
     from torch._dynamo.testing import CompileCounter
 
     from training import evaluate
