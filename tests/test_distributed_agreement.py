@@ -19,16 +19,20 @@ from training.optim import build_optimizers
 from training.run_log import RunLog
 
 SKEW = 1.6  # rank 1's clock runs 60% fast: alone, it would stop after ~1/1.6 of rank 0's steps
+TICK = 0.1  # seconds of training clock a read of it adds on rank 0
 
 
-class SkewedTime:
-    """Stands in for the `time` module inside training.trainer on rank 1."""
+class TickingTime:
+    """Stands in for the `time` module inside training.trainer: a clock that advances rate × TICK at each read rather
+    than with the wall clock, so that the number of steps a budget holds is the same however loaded the machine is
+    (on the wall clock, a slow first step alone can fill the budget)."""
 
     def __init__(self, rate: float):
-        self.rate, self.origin = rate, time.perf_counter()
+        self.rate, self.reads = rate, 0
 
     def perf_counter(self) -> float:
-        return self.origin + self.rate * (time.perf_counter() - self.origin)
+        self.reads += 1
+        return self.rate * TICK * self.reads
 
 
 class RankLoader:
@@ -131,8 +135,7 @@ def worker(rank: int, world: int, port: int, out_dir: str) -> None:
     log = RunLog(os.path.join(out_dir, f"log{rank}.txt"), enabled=False)
     out = {}
     try:
-        if rank == 1:
-            trainer.time = SkewedTime(SKEW)
+        trainer.time = TickingTime(SKEW if rank == 1 else 1.0)
         # 1. A wall-clock budget with a time-driven schedule.
         # A checkpointer whose period is never reached: only the final checkpoint is written.
         cfg, model, opts = tiny(["train.max_steps=100000", "train.schedule=time", "train.time_budget_s=3",
