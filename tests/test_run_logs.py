@@ -71,3 +71,23 @@ def test_one_change_at_sp8192_compares_as_the_results_say(name, overrides, mean,
     out = capsys.readouterr().out
     assert out.count("ok (from its log)") == 3 and f"val_bpb: mean {mean}" in out
     assert re.search(rf"without the margin \(any improvement\): {re.escape(t_p)}\b", out), out
+
+
+def test_recurrence_with_matrix_lr_030_compares_as_the_results_say(tmp_path, monkeypatch, capsys):
+    """docs/results.md's depth recurrence with optim.matrix_lr=0.03: seed 1337 ran past the training budget (its
+    calibration overran the reserve) and is refused; the two valid seeds score above the recurrence alone."""
+    no_run(monkeypatch)
+    logs = REPO / "docs" / "run_logs"
+
+    def argv(seeds: str) -> list[str]:
+        return ["--config", str(REPO / "configs/h100_sp8192.toml"), "--seeds", seeds, "--name", "sp8192-recurlr030",
+                "--reuse", "--allow-other-code", "--out", str(tmp_path / "sub"),
+                "--baseline", *(str(logs / f"sp8192-recur-s{s}.txt") for s in (1337, 42, 2025)),
+                "--", f"train.log_dir={logs}", *RECUR, "optim.matrix_lr=0.03"]
+    with pytest.raises(SystemExit, match=r"sp8192-recurlr030-s1337.txt is a failed run of seed 1337 \(training "
+                                         r"\(291.99 s\) and calibration on training tokens \(8.73 s\)"):
+        reproduce.main(argv("1337,42,2025"))
+    assert reproduce.main(argv("42,2025")) == 0
+    out = capsys.readouterr().out
+    assert out.count("ok (from its log)") == 2 and "val_bpb: mean 1.28294, std 0.00139" in out
+    assert re.search(r"without the margin \(any improvement\): t -1.731, p 0.8733\b", out), out
