@@ -16,21 +16,21 @@ def test_real_variants_run_side_by_side_and_a_failure_is_reported(demo_dir, tmp_
     small_cap = f"quant.cap_bytes={code_bytes() + 21000}"  # 1 kB beside the code and the margin
     out = tmp_path / "ablate.json"
     code = ablate.main(["--config", CONFIG, "--gpus", "none", "--parallel", "2", "--prefix", "t", "--out", str(out),
-                        "--variant", "plain=model.n_streams=1",
                         "--variant", "mhc2=model.n_streams=2 model.mhc_granularity=block",
                         "--variant", f"tiny-cap=model.n_streams=1 {small_cap}", "--", *common])
     assert code == 1  # the capped variant cannot ship
     printed = capsys.readouterr().out
-    assert "[plain] " in printed and "[mhc2] " in printed and "| variant | status |" in printed
+    assert "[mhc2] " in printed and "[tiny-cap] " in printed and "| variant | status |" in printed
     summary = json.loads(out.read_text())
     rows = {r["variant"]: r for r in summary["runs"]}
-    assert [r["variant"] for r in summary["runs"]] == ["plain", "mhc2", "tiny-cap"]
-    for name in ("plain", "mhc2"):
-        r = rows[name]
-        assert r["status"] == "ok" and r["run_id"] == f"t-{name}" and r["steps"] == 4
-        assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and 0 < r["val_bpb"] < 20
-        assert (tmp_path / "logs" / f"t-{name}.txt").exists()
+    assert [r["variant"] for r in summary["runs"]] == ["mhc2", "tiny-cap"]
+    r = rows["mhc2"]
+    assert r["status"] == "ok" and r["run_id"] == "t-mhc2" and r["steps"] == 4
+    assert r["overrides"] == ["model.n_streams=2", "model.mhc_granularity=block"]
+    assert r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and 0 < r["val_bpb"] < 20
+    assert (tmp_path / "logs" / "t-mhc2.txt").exists()
     assert rows["tiny-cap"]["status"] == "exit 1" and rows["tiny-cap"]["stdout_tail"]
+    assert (tmp_path / "logs" / "t-tiny-cap.txt").exists()  # it trained side by side before its export failed
     assert summary["common"] == common
 
 
