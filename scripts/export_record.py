@@ -33,7 +33,7 @@ from training.records import SeedResult, build_submission
 from training.log_reader import LogFormatError, RunLogData, output_problem, parse_log
 from training.checkpoint import replace_folder
 from training.config import ConfigError, flat_config, load_config
-from training.packing import generate_script, shipped_modules
+from training.packing import made_script, shipped_modules
 from training.run_log import git_commit
 from training.sources import code_digest, imported_names
 
@@ -268,7 +268,7 @@ def main(argv=None) -> Path:
         config = record_config(logs)
         config["quant"]["budget_bytes"] = pinned_budget(logs)
         commit = git_commit(REPO)
-        script = generate_script(REPO).encode()
+        script = made_script(REPO).encode()
         sig = None
         if a.baseline:
             candidate = [Scored.from_final(r.final, r.seed, str(log.source)) for r, log in zip(results, logs)]

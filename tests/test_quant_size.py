@@ -47,6 +47,7 @@ def test_the_count_is_made_again_when_a_source_changes_and_only_then(tmp_path, m
     monkeypatch.setattr(packing, "generate_script", lambda repo: made.append(repo) or real(repo))
     first = script_bytes(tmp_path)
     assert script_bytes(tmp_path) == first and len(made) == 1
+    assert packing.made_script(tmp_path) == real(tmp_path) and len(made) == 1  # what a record ships, kept too
     (tmp_path / "helper.py").write_text("X = 'a longer value than before, which the script carries'\n")
     assert script_bytes(tmp_path) > first and len(made) == 2
     (tmp_path / "helper.py").write_text("X = 'a longer value than before, which the script carries'\n")

@@ -81,16 +81,17 @@ def embedded_sources(script: str) -> dict[str, tuple[bool, str]]:
     return embedded
 
 
-_MADE: dict[Path, tuple[tuple, int]] = {}  # repo -> (the stat of every file the script was made from, its bytes)
+_MADE: dict[Path, tuple[tuple, str]] = {}  # repo -> (the stat of every file the script was made from, the script)
 
 
 def _stats(files) -> tuple:
     return tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files)
 
 
-def script_bytes(repo: Path) -> int:
-    """len(generate_script(repo)) in bytes, made again only when a file it was made from changed (making it takes a
-    second or two on a CPU; asking, a millisecond). A new module needs an import in a file that changed."""
+def made_script(repo: Path) -> str:
+    """generate_script(repo), made again only when a file it was made from changed (making it takes seconds on a
+    CPU; asking, a millisecond): a run counts it and a record ships it, in one process more than once. A new
+    module needs an import in a file that changed."""
     made = _MADE.get(repo.resolve())
     try:
         if made is not None and _stats(Path(f) for f, _, _ in made[0]) == made[0]:
@@ -99,5 +100,10 @@ def script_bytes(repo: Path) -> int:
         pass
     files = [path for path, _ in collect_modules(repo).values()]  # the runtime's digest covers them all
     stats = _stats(files)
-    _MADE[repo.resolve()] = (stats, len(generate_script(repo).encode("utf-8")))
+    _MADE[repo.resolve()] = (stats, generate_script(repo))
     return _MADE[repo.resolve()][1]
+
+
+def script_bytes(repo: Path) -> int:
+    """len(made_script(repo)) in bytes: the code a checkout's run counts."""
+    return len(made_script(repo).encode("utf-8"))
