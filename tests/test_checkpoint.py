@@ -52,6 +52,16 @@ def run(cmd: list[str]) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def start(cmd: list[str]) -> subprocess.Popen:
+    """A reference run started beside the run under test (each is mostly one core's Python); finish() waits."""
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> None:
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+
+
 def wait_for_step(log: Path, proc: subprocess.Popen, step: int) -> None:
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
@@ -63,9 +73,7 @@ def wait_for_step(log: Path, proc: subprocess.Popen, step: int) -> None:
 
 @pytest.mark.slow
 def test_kill_9_between_checkpoints_then_resume_matches_straight_run(corpus, tmp_path):
-    run(args(corpus, tmp_path, "straight", "train.checkpoint_every=5"))
-    straight = tmp_path / "logs/straight.txt"
-    ref = step_losses(straight)
+    reference = start(args(corpus, tmp_path, "straight", "train.checkpoint_every=5"))
     proc = subprocess.Popen(args(corpus, tmp_path, "killed", "train.checkpoint_every=5"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_step(tmp_path / "logs/killed.txt", proc, 7)
@@ -75,6 +83,9 @@ def test_kill_9_between_checkpoints_then_resume_matches_straight_run(corpus, tmp
     assert ckpts, "a checkpoint was written at step 5 before the kill"
     resumed_at = int(ckpts[-1].name.split("_")[1])
     run(args(corpus, tmp_path, "killed", "train.checkpoint_every=5", "train.resume=latest"))
+    finish(reference)
+    straight = tmp_path / "logs/straight.txt"
+    ref = step_losses(straight)
     after = {s: v for s, v in step_losses(tmp_path / "logs/killed.txt").items() if s > resumed_at}
     assert after and all(after[s] == ref[s] for s in after), (resumed_at, after, ref)
     assert max(after) == 14
@@ -113,8 +124,7 @@ def assert_same(a, b, where="state"):
 
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_then_resume_continues(corpus, tmp_path):
-    run(args(corpus, tmp_path, "straight"))
-    ref = step_losses(tmp_path / "logs/straight.txt")
+    reference = start(args(corpus, tmp_path, "straight"))
     proc = subprocess.Popen(args(corpus, tmp_path, "term"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_for_step(tmp_path / "logs/term.txt", proc, 3)
     proc.send_signal(signal.SIGTERM)
@@ -123,6 +133,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_then_resume_continues(corpus, tmp_
     assert len(ckpts) == 1
     stopped_at = int(ckpts[0].name.split("_")[1])
     run(args(corpus, tmp_path, "term", "train.resume=latest"))
+    finish(reference)
+    ref = step_losses(tmp_path / "logs/straight.txt")
     after = {s: v for s, v in step_losses(tmp_path / "logs/term.txt").items() if s > stopped_at}
     assert after and all(after[s] == ref[s] for s in after)
 
