@@ -205,14 +205,18 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
 
 def loss_probe(model: nn.Module, batches: list[torch.Tensor], autocast_dtype, timings: dict) -> Callable:
     """probe(values) -> the loss increase on the calibration batches with `values` in place; its time goes to
-    timings["probe_s"] (the probes read training tokens: calibration, inside the training budget)."""
+    timings["probe_s"] (the probes read training tokens: calibration, inside the training budget), and of it the
+    time spent decoding `values` (on the CPU, reading no tokens) to timings["probe_dequantize_s"]: the probes' time
+    varies from run to run, and the two parts say whether the host or the device varies."""
     t = time.perf_counter()
     base = mean_loss(model, batches, autocast_dtype)
-    timings["probe_s"] = time.perf_counter() - t
+    timings["probe_s"], timings["probe_dequantize_s"] = time.perf_counter() - t, 0.0
 
     def probe(values: dict[str, QuantizedTensor]) -> float:
         t = time.perf_counter()
-        loss = loss_with(model, batches, {name: v.dequantize() for name, v in values.items()}, autocast_dtype)
+        dense = {name: v.dequantize() for name, v in values.items()}
+        timings["probe_dequantize_s"] += time.perf_counter() - t
+        loss = loss_with(model, batches, dense, autocast_dtype)
         timings["probe_s"] += time.perf_counter() - t
         return loss - base
     return probe
@@ -247,7 +251,8 @@ def kind_summary(rows: list[dict]) -> dict[str, dict]:
 def _log_report(report: dict, log: Callable[[str], None]) -> None:
     log(f"quant: {report['method']} ({report['scheme']}, {report['error_weight']} errors) calibration "
         f"{report['calib_tokens']} tokens in {report['calib_s']:.1f}s"
-        + (f" (+ loss probes {report['probe_s']:.1f}s)" if "probe_s" in report else "") + ", quantization and allocation "
+        + (f" (+ loss probes {report['probe_s']:.1f}s, {report['probe_dequantize_s']:.1f}s of it decoding)"
+           if "probe_s" in report else "") + ", quantization and allocation "
         f"{report['quant_alloc_s']:.1f}s ({sum(not p.get('cached') for p in report['probes'])} artifacts built), "
         f"save+verify {report['save_verify_s']:.1f}s")
     for row in report["matrices"]:

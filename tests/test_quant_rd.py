@@ -177,6 +177,10 @@ def test_rd_export_ships_every_tensor_on_a_grid_within_a_tight_budget(tmp_path):
         assert qt.bits == row["bits"] and row["grid"].removeprefix("rtn:") == f"{qt.family}@{qt.step:g}"
     assert sum(row["bytes"] for row in report["tensors"]) < report["artifact_bytes"]
     assert any("quant: probe embed.weight" in line for line in lines) and "artifact" in lines[-1]
+    # the probes' time, counted as calibration, and the part of it that decodes the values (host only)
+    assert 0 < report["probe_dequantize_s"] < report["probe_s"]
+    assert any(f"(+ loss probes {report['probe_s']:.1f}s, {report['probe_dequantize_s']:.1f}s of it decoding)" in line
+               for line in lines)
     bits = [row["bits_per_param"] for row in report["tensors"]]
     assert max(bits) - min(bits) > 0.5  # the budget is shared out unevenly: by predicted loss, not by width
 
