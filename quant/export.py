@@ -206,8 +206,9 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
 def loss_probe(model: nn.Module, batches: list[torch.Tensor], autocast_dtype, timings: dict) -> Callable:
     """probe(values) -> the loss increase on the calibration batches with `values` in place; its time goes to
     timings["probe_s"] (the probes read training tokens: calibration, inside the training budget), and of it the
-    time spent decoding `values` (on the CPU, reading no tokens) to timings["probe_dequantize_s"]: the probes' time
-    varies from run to run, and the two parts say whether the host or the device varies."""
+    time spent decoding `values` with numpy (reading no tokens) to timings["probe_dequantize_s"]: the probes' time
+    varies from run to run, and the split says how much of it is decoding; the rest is the copies to and from the
+    model and its passes over the batches."""
     t = time.perf_counter()
     base = mean_loss(model, batches, autocast_dtype)
     timings["probe_s"], timings["probe_dequantize_s"] = time.perf_counter() - t, 0.0
