@@ -157,9 +157,15 @@ def test_bad_input_is_one_line_without_a_traceback(demo_dir, tmp_path):
              (f"data.tokenizer={REPO / 'README.md'}", "README.md: not a SentencePiece model")]
     procs = [subprocess.Popen([*base, override], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for override, _ in cases]  # side by side: each is mostly the interpreter's start and torch's import
-    for proc, (_, message) in zip(procs, cases):
-        _, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 1 and message in stderr and "Traceback" not in stderr, stderr
+    try:
+        for proc, (_, message) in zip(procs, cases):
+            _, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 1 and message in stderr and "Traceback" not in stderr, stderr
+    finally:  # a failed case leaves none of the others running
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     assert not (tmp_path / "logs").exists(), "a run that could not start left a log behind"
 
 
