@@ -2,6 +2,8 @@
 import json
 import os
 import socket
+import subprocess
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +17,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from data.demo import make_demo
+
+
+@contextmanager
+def started(commands: list[list[str]]):
+    """Processes run side by side (a tiny run is mostly one core's Python), their stderr piped; yields them. Any
+    still running when the block ends, a failed assertion's included, is stopped: none is left behind."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for cmd in commands]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
 
 
 @pytest.fixture

@@ -6,11 +6,11 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from conftest import started
 from data.demo import make_demo
 from training.checkpoint import complete_checkpoints, resolve_resume
 
@@ -53,21 +53,9 @@ def run(cmd: list[str]) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@contextmanager
-def reference_run(cmd: list[str]):
-    """A reference run trained beside the run under test (each is mostly one core's Python). Inside, the run under
-    test; wait() then waits for the reference. On a failure inside, the reference is stopped, never left behind."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-    def wait() -> None:
-        _, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, stderr[-3000:]
-    try:
-        yield wait
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+def succeeded(proc: subprocess.Popen) -> None:
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
 
 
 def wait_for_step(log: Path, proc: subprocess.Popen, step: int) -> None:
@@ -81,9 +69,9 @@ def wait_for_step(log: Path, proc: subprocess.Popen, step: int) -> None:
 
 @pytest.mark.slow
 def test_kill_9_between_checkpoints_then_resume_matches_straight_run(corpus, tmp_path):
-    with reference_run(args(corpus, tmp_path, "straight", "train.checkpoint_every=5")) as wait_reference:
-        proc = subprocess.Popen(args(corpus, tmp_path, "killed", "train.checkpoint_every=5"),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # the straight run trains beside the one under test
+    with started([args(corpus, tmp_path, "straight", "train.checkpoint_every=5"),
+                  args(corpus, tmp_path, "killed", "train.checkpoint_every=5")]) as [reference, proc]:
         wait_for_step(tmp_path / "logs/killed.txt", proc, 7)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -91,7 +79,7 @@ def test_kill_9_between_checkpoints_then_resume_matches_straight_run(corpus, tmp
         assert ckpts, "a checkpoint was written at step 5 before the kill"
         resumed_at = int(ckpts[-1].name.split("_")[1])
         run(args(corpus, tmp_path, "killed", "train.checkpoint_every=5", "train.resume=latest"))
-        wait_reference()
+        succeeded(reference)
     straight = tmp_path / "logs/straight.txt"
     ref = step_losses(straight)
     after = {s: v for s, v in step_losses(tmp_path / "logs/killed.txt").items() if s > resumed_at}
@@ -132,8 +120,8 @@ def assert_same(a, b, where="state"):
 
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_then_resume_continues(corpus, tmp_path):
-    with reference_run(args(corpus, tmp_path, "straight")) as wait_reference:
-        proc = subprocess.Popen(args(corpus, tmp_path, "term"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # the straight run trains beside the one under test
+    with started([args(corpus, tmp_path, "straight"), args(corpus, tmp_path, "term")]) as [reference, proc]:
         wait_for_step(tmp_path / "logs/term.txt", proc, 3)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 143, proc.stderr.read()[-2000:]
@@ -141,7 +129,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_then_resume_continues(corpus, tmp_
         assert len(ckpts) == 1
         stopped_at = int(ckpts[0].name.split("_")[1])
         run(args(corpus, tmp_path, "term", "train.resume=latest"))
-        wait_reference()
+        succeeded(reference)
     ref = step_losses(tmp_path / "logs/straight.txt")
     after = {s: v for s, v in step_losses(tmp_path / "logs/term.txt").items() if s > stopped_at}
     assert after and all(after[s] == ref[s] for s in after)

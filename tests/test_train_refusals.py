@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from conftest import started
 from data.shards import ShardError
 from test_train import REPO, tiny_overrides
 from training.config import ConfigError
@@ -147,7 +148,6 @@ def test_shards_the_model_cannot_read_are_named_and_a_stub_shard_is_left_out(dem
 def test_bad_input_is_one_line_without_a_traceback(demo_dir, tmp_path):
     """On the command line, an input error (here a misspelt key, then a missing tokenizer) prints its message,
     which names the field or file, with no traceback; exit status 1."""
-    import subprocess
     base = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/demo.toml"),
             *tiny_overrides(demo_dir, tmp_path)]
     cases = [("model.n_layer=2", "train.py: command line: unknown key 'model.n_layer'"),
@@ -155,17 +155,10 @@ def test_bad_input_is_one_line_without_a_traceback(demo_dir, tmp_path):
              (f"data.val_files={tmp_path}/none_*.bin", f"train.py: no shard files match '{tmp_path}/none_*.bin'"),
              ("train.micro_batch_seqs=0", "+ the overrides: train.micro_batch_seqs=0 must be >= 1"),
              (f"data.tokenizer={REPO / 'README.md'}", "README.md: not a SentencePiece model")]
-    procs = [subprocess.Popen([*base, override], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for override, _ in cases]  # side by side: each is mostly the interpreter's start and torch's import
-    try:
+    with started([[*base, override] for override, _ in cases]) as procs:  # each is mostly Python's and torch's start
         for proc, (_, message) in zip(procs, cases):
             _, stderr = proc.communicate(timeout=300)
             assert proc.returncode == 1 and message in stderr and "Traceback" not in stderr, stderr
-    finally:  # a failed case leaves none of the others running
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
     assert not (tmp_path / "logs").exists(), "a run that could not start left a log behind"
 
 
