@@ -147,11 +147,13 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     heads = tables if by_rd and hasattr(model, "quant_observer") else None  # the tied table, reported as the head
     lookups = plan.embeddings if by_rd else None
     calib = calibrate(model, plan.linears, calib_batches, autocast_dtype, plan.observed, heads, lookups)
+    timings["hessian_s"] = time.perf_counter() - t
     fisher = None
     if error_weight == "fisher":
         outputs = [*plan.observed, *(n for n in tables if n in calib.hessians)] if by_rd else []
         fisher = collect_fisher(model, plan.linears, calib_batches, autocast_dtype, outputs, lookups)
     timings["calib_s"] = time.perf_counter() - t
+    timings["fisher_s"] = timings["calib_s"] - timings["hessian_s"]
 
     t = time.perf_counter()
     meta = {**meta, "quant": {"method": method, "scheme": scheme, "calib_tokens": calib.tokens}}
@@ -205,20 +207,24 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
 
 def loss_probe(model: nn.Module, batches: list[torch.Tensor], autocast_dtype, timings: dict) -> Callable:
     """probe(values) -> the loss increase on the calibration batches with `values` in place; its time goes to
-    timings["probe_s"] (the probes read training tokens: calibration, inside the training budget), and of it the
-    time spent decoding `values` with numpy (reading no tokens) to timings["probe_dequantize_s"]: the probes' time
-    varies from run to run, and the split says how much of it is decoding; the rest is the copies to and from the
-    model and its passes over the batches."""
+    timings["probe_s"] (the probes read training tokens: calibration, inside the training budget), of it the time
+    spent decoding `values` with numpy (reading no tokens) to timings["probe_dequantize_s"], and each pass over the
+    batches (the unchanged model's first, with the copies in and out of the model) to timings["probe_pass_s"]: the
+    probes' time varies from run to run, and the parts say whether the host's decoding, one pass or every pass does."""
     t = time.perf_counter()
     base = mean_loss(model, batches, autocast_dtype)
-    timings["probe_s"], timings["probe_dequantize_s"] = time.perf_counter() - t, 0.0
+    first = time.perf_counter() - t
+    timings.update(probe_s=first, probe_dequantize_s=0.0, probe_pass_s=[first])
 
     def probe(values: dict[str, QuantizedTensor]) -> float:
         t = time.perf_counter()
         dense = {name: v.dequantize() for name, v in values.items()}
-        timings["probe_dequantize_s"] += time.perf_counter() - t
+        decoded = time.perf_counter()
         loss = loss_with(model, batches, dense, autocast_dtype)
-        timings["probe_s"] += time.perf_counter() - t
+        done = time.perf_counter()
+        timings["probe_dequantize_s"] += decoded - t
+        timings["probe_pass_s"].append(done - decoded)
+        timings["probe_s"] += done - t
         return loss - base
     return probe
 
@@ -250,9 +256,11 @@ def kind_summary(rows: list[dict]) -> dict[str, dict]:
 
 
 def _log_report(report: dict, log: Callable[[str], None]) -> None:
+    passes = "/".join(f"{s:.1f}" for s in report.get("probe_pass_s", ()))
     log(f"quant: {report['method']} ({report['scheme']}, {report['error_weight']} errors) calibration "
         f"{report['calib_tokens']} tokens in {report['calib_s']:.1f}s"
-        + (f" (+ loss probes {report['probe_s']:.1f}s, {report['probe_dequantize_s']:.1f}s of it decoding)"
+        + (f" (Hessians {report['hessian_s']:.1f}s, Fisher {report['fisher_s']:.1f}s)" if "fisher_s" in report else "")
+        + (f" (+ loss probes {report['probe_s']:.1f}s: passes {passes}s, {report['probe_dequantize_s']:.1f}s decoding)"
            if "probe_s" in report else "") + ", quantization and allocation "
         f"{report['quant_alloc_s']:.1f}s ({sum(not p.get('cached') for p in report['probes'])} artifacts built), "
         f"save+verify {report['save_verify_s']:.1f}s")

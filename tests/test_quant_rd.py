@@ -177,10 +177,17 @@ def test_rd_export_ships_every_tensor_on_a_grid_within_a_tight_budget(tmp_path):
         assert qt.bits == row["bits"] and row["grid"].removeprefix("rtn:") == f"{qt.family}@{qt.step:g}"
     assert sum(row["bytes"] for row in report["tensors"]) < report["artifact_bytes"]
     assert any("quant: probe embed.weight" in line for line in lines) and "artifact" in lines[-1]
-    # the probes' time, counted as calibration, and the part of it that decodes the values (host only)
+    # the probes' time, counted as calibration, in its parts: decoding the values (host only) and one pass over the
+    # batches for the unchanged model and for each group probed; calibration's time in the Hessians' and Fisher's
+    passes = report["probe_pass_s"]
+    assert len(passes) == 1 + len(report["loss_probes"]) and min(passes) > 0
     assert 0 < report["probe_dequantize_s"] < report["probe_s"]
-    assert any(f"(+ loss probes {report['probe_s']:.1f}s, {report['probe_dequantize_s']:.1f}s of it decoding)" in line
-               for line in lines)
+    assert report["probe_s"] == pytest.approx(report["probe_dequantize_s"] + sum(passes))
+    assert 0 < report["hessian_s"] < report["calib_s"]
+    assert report["hessian_s"] + report["fisher_s"] == pytest.approx(report["calib_s"])
+    assert any(f"(Hessians {report['hessian_s']:.1f}s, Fisher {report['fisher_s']:.1f}s) (+ loss probes "
+               f"{report['probe_s']:.1f}s: passes {'/'.join(f'{s:.1f}' for s in passes)}s, "
+               f"{report['probe_dequantize_s']:.1f}s decoding)" in line for line in lines)
     bits = [row["bits_per_param"] for row in report["tensors"]]
     assert max(bits) - min(bits) > 0.5  # the budget is shared out unevenly: by predicted loss, not by width
 
