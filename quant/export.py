@@ -153,7 +153,8 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
         outputs = [*plan.observed, *(n for n in tables if n in calib.hessians)] if by_rd else []
         fisher = collect_fisher(model, plan.linears, calib_batches, autocast_dtype, outputs, lookups)
     timings["calib_s"] = time.perf_counter() - t
-    timings["fisher_s"] = timings["calib_s"] - timings["hessian_s"]
+    if fisher is not None:
+        timings["fisher_s"] = timings["calib_s"] - timings["hessian_s"]
 
     t = time.perf_counter()
     meta = {**meta, "quant": {"method": method, "scheme": scheme, "calib_tokens": calib.tokens}}

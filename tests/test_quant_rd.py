@@ -192,6 +192,18 @@ def test_rd_export_ships_every_tensor_on_a_grid_within_a_tight_budget(tmp_path):
     assert max(bits) - min(bits) > 0.5  # the budget is shared out unevenly: by predicted loss, not by width
 
 
+
+def test_rd_export_with_output_errors_times_no_fisher_pass_and_no_probes(tmp_path):
+    """error_weight=output runs neither the Fisher pass nor the loss probes: calibration is the Hessians alone, and
+    neither the report nor the log line names the other two."""
+    lines = []
+    report = export_artifact(mhc_model(), batches(), str(tmp_path / "o.mhcg"), META, 10**7, log=lines.append,
+                             observed_patterns=("mhc.*.phi",), error_weight="output")
+    assert "fisher_s" not in report and "probe_s" not in report and not report["loss_probes"]
+    assert 0 < report["hessian_s"] <= report["calib_s"]
+    line = next(line for line in lines if "calibration" in line and "tokens in" in line)
+    assert "Fisher" not in line and "loss probes" not in line
+
 def markov_batches(transitions: torch.Tensor, n: int, length: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.zeros(n, length, dtype=torch.long)
