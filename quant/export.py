@@ -139,6 +139,7 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     if not plan.linears:
         raise ValueError("the model has no nn.Linear modules to quantize")
     state = model.state_dict()
+    device = next(model.parameters()).device
     tables = {name: state[name] for name in plan.tables}
     by_rd = scheme != "rank"
     timings = {}
@@ -147,12 +148,12 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     heads = tables if by_rd and hasattr(model, "quant_observer") else None  # the tied table, reported as the head
     lookups = plan.embeddings if by_rd else None
     calib = calibrate(model, plan.linears, calib_batches, autocast_dtype, plan.observed, heads, lookups)
-    timings["hessian_s"] = time.perf_counter() - t
+    timings["hessian_s"] = seconds_since(t, device)
     fisher = None
     if error_weight == "fisher":
         outputs = [*plan.observed, *(n for n in tables if n in calib.hessians)] if by_rd else []
         fisher = collect_fisher(model, plan.linears, calib_batches, autocast_dtype, outputs, lookups)
-    timings["calib_s"] = time.perf_counter() - t
+    timings["calib_s"] = seconds_since(t, device)
     if fisher is not None:
         timings["fisher_s"] = timings["calib_s"] - timings["hessian_s"]
 
@@ -206,12 +207,21 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     return report
 
 
+def seconds_since(t: float, device: torch.device) -> float:
+    """perf_counter seconds since t once the device has run what was queued: a CUDA kernel runs after the call that
+    queued it, so without the wait its time would count in whatever waits for it next."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t
+
+
 def loss_probe(model: nn.Module, batches: list[torch.Tensor], autocast_dtype, timings: dict) -> Callable:
     """probe(values) -> the loss increase on the calibration batches with `values` in place; its time goes to
     timings["probe_s"] (the probes read training tokens: calibration, inside the training budget), of it the time
     spent decoding `values` with numpy (reading no tokens) to timings["probe_dequantize_s"], and each pass over the
-    batches (the unchanged model's first, with the copies in and out of the model) to timings["probe_pass_s"]: the
-    probes' time varies from run to run, and the parts say whether the host's decoding, one pass or every pass does."""
+    batches (the unchanged model's first; each later one with the copies in and out of the model) to
+    timings["probe_pass_s"]: the probes' time varies from run to run, and the parts say whether the host's decoding,
+    one pass or every pass does."""
     t = time.perf_counter()
     base = mean_loss(model, batches, autocast_dtype)
     first = time.perf_counter() - t
