@@ -218,6 +218,7 @@ def test_rd_export_with_output_errors_times_no_fisher_pass_and_no_probes(tmp_pat
     line = next(line for line in lines if "calibration" in line and "tokens in" in line)
     assert "Fisher" not in line and "loss probes" not in line
 
+
 def markov_batches(transitions: torch.Tensor, n: int, length: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.zeros(n, length, dtype=torch.long)
