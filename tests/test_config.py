@@ -262,6 +262,14 @@ def test_the_sp8192_config_is_h100_short_with_the_measured_overrides():
                       ("optim", "muon_row_norm"): True}
 
 
+def test_the_recurrence_config_is_the_sp8192_config_with_the_measured_overrides():
+    """docs/results.md measured configs/h100_sp8192_recur.toml as these overrides of configs/h100_sp8192.toml."""
+    recur, sp8192 = (to_dict(load_config(REPO / f"configs/{name}.toml")) for name in ("h100_sp8192_recur", "h100_sp8192"))
+    differ = {(s, k): recur[s][k] for s in recur for k in recur[s] if recur[s][k] != sp8192[s][k]}
+    assert differ == {("model", "recur_start"): 3, ("model", "recur_end"): 5, ("model", "recur_times"): 2,
+                      ("optim", "weight_decay"): 0.12, ("quant", "calib_reserve_s"): 12.0}
+
+
 def test_the_frontier_config_builds_the_records_model():
     """configs/frontier_sp8192.toml: 11 blocks, 3-5 run three times once on (17 virtual layers), lanes from block 7, the
     records' 35.9M parameters (the 2026-04-09 script counts 35,944,536: its small per-channel vectors differ)."""

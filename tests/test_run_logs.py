@@ -96,7 +96,7 @@ def test_recurrence_with_matrix_lr_030_compares_as_the_results_say(tmp_path, mon
 @pytest.mark.parametrize("baseline,t_p", [("sp8192-recur", "t 0.385, p 0.3654"), ("sp8192-muoneqr", "t 1.212, p 0.1633")])
 def test_recurrence_with_weight_decay_012_compares_as_the_results_say(baseline, t_p, tmp_path, monkeypatch, capsys):
     """docs/results.md's depth recurrence with Muon's weight decay at 0.12: lower on average than the recurrence alone
-    and than the shipped config, significantly neither (so the config keeps 0.09 and no recurrence)."""
+    and than configs/h100_sp8192.toml, significantly neither."""
     no_run(monkeypatch)
     logs = REPO / "docs" / "run_logs"
     argv = ["--config", str(REPO / "configs/h100_sp8192.toml"), "--seeds", "1337,42,2025", "--name", "sp8192-recurwd012",
@@ -106,4 +106,21 @@ def test_recurrence_with_weight_decay_012_compares_as_the_results_say(baseline, 
     assert reproduce.main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("ok (from its log)") == 3 and "val_bpb: mean 1.28037, std 0.00264" in out
+    assert re.search(rf"without the margin \(any improvement\): {re.escape(t_p)}\b", out), out
+
+
+@pytest.mark.parametrize("baseline,t_p", [("sp8192-muoneqr", "t 2.584, p 0.0381"),
+                                          ("sp8192-recurwd012", "t -0.194, p 0.5688")])
+def test_the_recurrence_config_compares_as_the_results_say(baseline, t_p, tmp_path, monkeypatch, capsys):
+    """configs/h100_sp8192_recur.toml as its three kept runs ran it (no override): below configs/h100_sp8192.toml
+    (one-sided p < 0.05, which is why it ships), level with the recurrence three times at the same weight decay."""
+    no_run(monkeypatch)
+    logs = REPO / "docs" / "run_logs"
+    argv = ["--config", str(REPO / "configs/h100_sp8192_recur.toml"), "--seeds", "1337,42,2025",
+            "--name", "sp8192-recur2wd012", "--reuse", "--allow-other-code", "--out", str(tmp_path / "sub"),
+            "--baseline", *(str(logs / f"{baseline}-s{s}.txt") for s in (1337, 42, 2025)),
+            "--", f"train.log_dir={logs}"]
+    assert reproduce.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("ok (from its log)") == 3 and "val_bpb: mean 1.28068, std 0.00056" in out
     assert re.search(rf"without the margin \(any improvement\): {re.escape(t_p)}\b", out), out
