@@ -319,8 +319,8 @@ def test_gpu_bf16_matches_reference(name, n, C, lead):
 @pytest.mark.parametrize("n", [2, 4])
 def test_gpu_fp32_streams_are_computed_in_fp32(name, n):
     """tl.dot on fp32 operands defaults to TF32: fp32 streams were 1.5e-4 off (gradients up to 1.2e-3), not ~1e-7."""
-    # the reference in fp32 too; set and restored by hand: cuBLASModule serves allow_tf32 through __getattr__, which
-    # pytest's monkeypatch cannot undo on recent torch
+    # the reference in fp32 too, set and restored by hand: cuBLASModule serves allow_tf32 through __getattr__, so it
+    # is not in the instance __dict__, and pytest 9.2's monkeypatch undoes such an attribute by deleting it
     matmul = torch.backends.cuda.matmul
     saved = matmul.allow_tf32
     matmul.allow_tf32 = False
