@@ -8,12 +8,37 @@ from conftest import REPO
 from scripts import reproduce
 from test_reproduce import no_run
 
+LOGS = REPO / "docs" / "run_logs"
 
 # configs/h100_sp8192.toml's last three blocks as the kept logs ran them, before the config took MuonEq-R
 SP8192_LAYOUTS = {"plain": "model.n_streams=1 model.mhc_blocks=0 model.mhc_start=0 model.mhc_init=plain",
                   "lanes": "model.n_streams=1 model.mhc_blocks=0 model.mhc_start=0 model.mhc_init=plain "
                            "model.lane_start=8",
                   "mhclanes": ""}  # the config's own layout
+RECUR = ("model.recur_start=3", "model.recur_end=5", "model.recur_times=3", "model.recur_at=0.35")
+
+
+def reuse_argv(name: str, baseline: str, overrides=(), *, out, seeds: str = "1337,42,2025",
+               config: str = "h100_sp8192") -> list[str]:
+    """`scripts.reproduce --reuse` on the kept logs `<name>-s<seed>.txt` against `<baseline>-s<seed>.txt`, its
+    submission under `out`; any code counts (the kept runs are of older commits)."""
+    return ["--config", str(REPO / f"configs/{config}.toml"), "--seeds", seeds, "--name", name,
+            "--reuse", "--allow-other-code", "--out", str(out / "sub"),
+            "--baseline", *(str(LOGS / f"{baseline}-s{s}.txt") for s in (1337, 42, 2025)),
+            "--", f"train.log_dir={LOGS}", *overrides]
+
+
+def compare(monkeypatch, capsys, argv: list[str], runs: int = 3) -> str:
+    """Run the comparison (no training may start) and return its printout, every seed read back from its log."""
+    no_run(monkeypatch)
+    assert reproduce.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("ok (from its log)") == runs, out
+    return out
+
+
+def assert_any_improvement(out: str, t_p: str) -> None:
+    assert re.search(rf"without the margin \(any improvement\): {re.escape(t_p)}\b", out), out
 
 
 @pytest.mark.parametrize("name, baseline, p_any", [("mhclanes", "lanes", 0.01492), ("mhclanes", "plain", 0.01259),
@@ -22,35 +47,18 @@ def test_the_kept_sp8192_layouts_compare_as_the_results_say(name, baseline, p_an
     """docs/results.md's three seeds of the last-3-block layouts, counted by `reproduce --reuse` from the kept logs:
     seed 1337 ran under another run id at another commit with a derived budget, seeds 42 and 2025 with that budget
     pinned, so the logs count only through the budget the runs had."""
-    no_run(monkeypatch)
-    logs = REPO / "docs" / "run_logs"
-    argv = ["--config", str(REPO / "configs/h100_sp8192.toml"), "--seeds", "1337,42,2025", "--name", f"sp8192-{name}",
-            "--reuse", "--allow-other-code", "--out", str(tmp_path / "sub"),
-            "--baseline", *(str(logs / f"sp8192-{baseline}-s{s}.txt") for s in (1337, 42, 2025)),
-            "--", f"train.log_dir={logs}", "quant.budget_bytes=15680892", "optim.muon_row_norm=false",
-            *SP8192_LAYOUTS[name].split()]
-    assert reproduce.main(argv) == 0
-    out = capsys.readouterr().out
-    assert out.count("ok (from its log)") == 3 and "not a record" in out
+    overrides = ["quant.budget_bytes=15680892", "optim.muon_row_norm=false", *SP8192_LAYOUTS[name].split()]
+    out = compare(monkeypatch, capsys, reuse_argv(f"sp8192-{name}", f"sp8192-{baseline}", overrides, out=tmp_path))
+    assert "not a record" in out
     assert re.search(rf"without the margin \(any improvement\): t [0-9.]+, p {p_any}\b", out), out
 
 
 def test_muoneqr_at_sp8192_compares_as_the_results_say(tmp_path, monkeypatch, capsys):
     """docs/results.md's three seeds of configs/h100_sp8192.toml with and without MuonEq-R: seed 1337 ran at another
     commit (other training code, a derived budget 152 bytes larger), so --allow-other-code counts it."""
-    no_run(monkeypatch)
-    logs = REPO / "docs" / "run_logs"
-    argv = ["--config", str(REPO / "configs/h100_sp8192.toml"), "--seeds", "1337,42,2025", "--name", "sp8192-muoneqr",
-            "--reuse", "--allow-other-code", "--out", str(tmp_path / "sub"),
-            "--baseline", *(str(logs / f"sp8192-muon-s{s}.txt") for s in (1337, 42, 2025)),
-            "--", f"train.log_dir={logs}"]
-    assert reproduce.main(argv) == 0
-    out = capsys.readouterr().out
-    assert out.count("ok (from its log)") == 3 and "val_bpb: mean 1.28234, std 0.00096" in out
-    assert re.search(r"without the margin \(any improvement\): t 3.295, p 0.02025\b", out), out
-
-
-RECUR = ("model.recur_start=3", "model.recur_end=5", "model.recur_times=3", "model.recur_at=0.35")
+    out = compare(monkeypatch, capsys, reuse_argv("sp8192-muoneqr", "sp8192-muon", out=tmp_path))
+    assert "val_bpb: mean 1.28234, std 0.00096" in out
+    assert_any_improvement(out, "t 3.295, p 0.02025")
 
 
 @pytest.mark.parametrize("name,overrides,mean,t_p", [
@@ -61,52 +69,32 @@ def test_one_change_at_sp8192_compares_as_the_results_say(name, overrides, mean,
     """docs/results.md's three seeds of configs/h100_sp8192.toml with optim.matrix_lr=0.03, or with depth recurrence,
     against the config as shipped: each lower on average, neither significantly (so the config has neither). The
     sets ran at different commits (and the recurrence's seeds on two kinds of host)."""
-    no_run(monkeypatch)
-    logs = REPO / "docs" / "run_logs"
-    argv = ["--config", str(REPO / "configs/h100_sp8192.toml"), "--seeds", "1337,42,2025", "--name", name,
-            "--reuse", "--allow-other-code", "--out", str(tmp_path / "sub"),
-            "--baseline", *(str(logs / f"sp8192-muoneqr-s{s}.txt") for s in (1337, 42, 2025)),
-            "--", f"train.log_dir={logs}", *overrides]
-    assert reproduce.main(argv) == 0
-    out = capsys.readouterr().out
-    assert out.count("ok (from its log)") == 3 and f"val_bpb: mean {mean}" in out
-    assert re.search(rf"without the margin \(any improvement\): {re.escape(t_p)}\b", out), out
+    out = compare(monkeypatch, capsys, reuse_argv(name, "sp8192-muoneqr", overrides, out=tmp_path))
+    assert f"val_bpb: mean {mean}" in out
+    assert_any_improvement(out, t_p)
 
 
 def test_recurrence_with_matrix_lr_030_compares_as_the_results_say(tmp_path, monkeypatch, capsys):
     """docs/results.md's depth recurrence with optim.matrix_lr=0.03: seed 1337 ran past the training budget (its
     calibration overran the reserve) and is refused; the two valid seeds score above the recurrence alone."""
-    no_run(monkeypatch)
-    logs = REPO / "docs" / "run_logs"
-
-    def argv(seeds: str) -> list[str]:
-        return ["--config", str(REPO / "configs/h100_sp8192.toml"), "--seeds", seeds, "--name", "sp8192-recurlr030",
-                "--reuse", "--allow-other-code", "--out", str(tmp_path / "sub"),
-                "--baseline", *(str(logs / f"sp8192-recur-s{s}.txt") for s in (1337, 42, 2025)),
-                "--", f"train.log_dir={logs}", *RECUR, "optim.matrix_lr=0.03"]
+    overrides = [*RECUR, "optim.matrix_lr=0.03"]
     with pytest.raises(SystemExit, match=r"sp8192-recurlr030-s1337.txt is a failed run of seed 1337 \(training "
                                          r"\(291.99 s\) and calibration on training tokens \(8.73 s\)"):
-        reproduce.main(argv("1337,42,2025"))
-    assert reproduce.main(argv("42,2025")) == 0
-    out = capsys.readouterr().out
-    assert out.count("ok (from its log)") == 2 and "val_bpb: mean 1.28294, std 0.00139" in out
-    assert re.search(r"without the margin \(any improvement\): t -1.731, p 0.8733\b", out), out
+        compare(monkeypatch, capsys, reuse_argv("sp8192-recurlr030", "sp8192-recur", overrides, out=tmp_path))
+    argv = reuse_argv("sp8192-recurlr030", "sp8192-recur", overrides, out=tmp_path, seeds="42,2025")
+    out = compare(monkeypatch, capsys, argv, runs=2)
+    assert "val_bpb: mean 1.28294, std 0.00139" in out
+    assert_any_improvement(out, "t -1.731, p 0.8733")
 
 
 @pytest.mark.parametrize("baseline,t_p", [("sp8192-recur", "t 0.385, p 0.3654"), ("sp8192-muoneqr", "t 1.212, p 0.1633")])
 def test_recurrence_with_weight_decay_012_compares_as_the_results_say(baseline, t_p, tmp_path, monkeypatch, capsys):
     """docs/results.md's depth recurrence with Muon's weight decay at 0.12: lower on average than the recurrence alone
     and than configs/h100_sp8192.toml, significantly neither."""
-    no_run(monkeypatch)
-    logs = REPO / "docs" / "run_logs"
-    argv = ["--config", str(REPO / "configs/h100_sp8192.toml"), "--seeds", "1337,42,2025", "--name", "sp8192-recurwd012",
-            "--reuse", "--allow-other-code", "--out", str(tmp_path / "sub"),
-            "--baseline", *(str(logs / f"{baseline}-s{s}.txt") for s in (1337, 42, 2025)),
-            "--", f"train.log_dir={logs}", *RECUR, "optim.weight_decay=0.12", "quant.calib_reserve_s=10"]
-    assert reproduce.main(argv) == 0
-    out = capsys.readouterr().out
-    assert out.count("ok (from its log)") == 3 and "val_bpb: mean 1.28037, std 0.00264" in out
-    assert re.search(rf"without the margin \(any improvement\): {re.escape(t_p)}\b", out), out
+    overrides = [*RECUR, "optim.weight_decay=0.12", "quant.calib_reserve_s=10"]
+    out = compare(monkeypatch, capsys, reuse_argv("sp8192-recurwd012", baseline, overrides, out=tmp_path))
+    assert "val_bpb: mean 1.28037, std 0.00264" in out
+    assert_any_improvement(out, t_p)
 
 
 @pytest.mark.parametrize("baseline,t_p", [("sp8192-muoneqr", "t 2.584, p 0.0381"),
@@ -114,13 +102,7 @@ def test_recurrence_with_weight_decay_012_compares_as_the_results_say(baseline, 
 def test_the_recurrence_config_compares_as_the_results_say(baseline, t_p, tmp_path, monkeypatch, capsys):
     """configs/h100_sp8192_recur.toml as its three kept runs ran it (no override): below configs/h100_sp8192.toml
     (one-sided p < 0.05, which is why it ships), level with the recurrence three times at the same weight decay."""
-    no_run(monkeypatch)
-    logs = REPO / "docs" / "run_logs"
-    argv = ["--config", str(REPO / "configs/h100_sp8192_recur.toml"), "--seeds", "1337,42,2025",
-            "--name", "sp8192-recur2wd012", "--reuse", "--allow-other-code", "--out", str(tmp_path / "sub"),
-            "--baseline", *(str(logs / f"{baseline}-s{s}.txt") for s in (1337, 42, 2025)),
-            "--", f"train.log_dir={logs}"]
-    assert reproduce.main(argv) == 0
-    out = capsys.readouterr().out
-    assert out.count("ok (from its log)") == 3 and "val_bpb: mean 1.28068, std 0.00056" in out
-    assert re.search(rf"without the margin \(any improvement\): {re.escape(t_p)}\b", out), out
+    argv = reuse_argv("sp8192-recur2wd012", baseline, out=tmp_path, config="h100_sp8192_recur")
+    out = compare(monkeypatch, capsys, argv)
+    assert "val_bpb: mean 1.28068, std 0.00056" in out
+    assert_any_improvement(out, t_p)
