@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn as nn
+from torch.profiler import record_function
 
 from data.files import write_atomic
 from quant.allocate import FALLBACK_BITS, HIGH_BITS, LOW_BITS
@@ -147,12 +148,14 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     calib_batches = list(calib_batches)  # read twice with Fisher weights
     heads = tables if by_rd and hasattr(model, "quant_observer") else None  # the tied table, reported as the head
     lookups = plan.embeddings if by_rd else None
-    calib = calibrate(model, plan.linears, calib_batches, autocast_dtype, plan.observed, heads, lookups)
+    with record_function("export: hessians"):  # the labels name the parts in a profile (scripts.bench_quant --profile)
+        calib = calibrate(model, plan.linears, calib_batches, autocast_dtype, plan.observed, heads, lookups)
     timings["hessian_s"] = seconds_since(t, device)
     fisher = None
     if error_weight == "fisher":
         outputs = [*plan.observed, *(n for n in tables if n in calib.hessians)] if by_rd else []
-        fisher = collect_fisher(model, plan.linears, calib_batches, autocast_dtype, outputs, lookups)
+        with record_function("export: fisher"):
+            fisher = collect_fisher(model, plan.linears, calib_batches, autocast_dtype, outputs, lookups)
     timings["calib_s"] = seconds_since(t, device)
     if fisher is not None:
         timings["fisher_s"] = timings["calib_s"] - timings["hessian_s"]
@@ -223,7 +226,8 @@ def loss_probe(model: nn.Module, batches: list[torch.Tensor], autocast_dtype, ti
     timings["probe_pass_s"]: the probes' time varies from run to run, and the parts say whether the host's decoding,
     one pass or every pass does."""
     t = time.perf_counter()
-    base = mean_loss(model, batches, autocast_dtype)
+    with record_function("export: probe pass 0"):
+        base = mean_loss(model, batches, autocast_dtype)
     first = time.perf_counter() - t
     timings.update(probe_s=first, probe_dequantize_s=0.0, probe_pass_s=[first])
 
@@ -231,7 +235,8 @@ def loss_probe(model: nn.Module, batches: list[torch.Tensor], autocast_dtype, ti
         t = time.perf_counter()
         dense = {name: v.dequantize() for name, v in values.items()}
         decoded = time.perf_counter()
-        loss = loss_with(model, batches, dense, autocast_dtype)
+        with record_function(f"export: probe pass {len(timings['probe_pass_s'])}"):
+            loss = loss_with(model, batches, dense, autocast_dtype)
         done = time.perf_counter()
         timings["probe_dequantize_s"] += decoded - t
         timings["probe_pass_s"].append(done - decoded)

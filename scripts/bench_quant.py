@@ -10,7 +10,9 @@ exactly as train.py does (calibration on training tokens, GPTQ, allocation, Brot
 scores it from disk, and prints one table: artifact and total bytes, matrices per width, val_bpb
 after quantization and the gap to the float model; and, for the schemes that report them, bits per
 parameter and predicted error per kind of tensor. --equal-bytes NAME gives every variant the byte
-budget that NAME's artifact took. A variant may change only [quant] keys: the weights are fixed.
+budget that NAME's artifact took. A variant may change only [quant] keys: the weights are fixed. --profile DIR
+writes a torch.profiler trace of each variant's export (calibration's parts and each loss-probe pass labelled);
+a variant repeated under another name shows what a second export in the same process no longer pays.
 Write a checkpoint at the end of a run with train.checkpoint_every=<max_steps>, or stop a run with
 SIGTERM; an artifact (.mhcg) also serves, by its dequantized weights.
 """
@@ -18,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,6 +89,26 @@ def format_kinds(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+@contextmanager
+def profiled(folder: Path | None, name: str, device: torch.device):
+    """Profile the block into folder/<name>.trace.json and print its top operators by self time (nothing without a
+    folder). Why: calibration counts against the training budget and its time varies from run to run, most of it in
+    one pass at a time; the trace shows what such a pass waits for."""
+    if folder is None:
+        yield
+        return
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        yield
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.trace.json"
+    partial = path.with_name(f".{path.name}.partial")
+    prof.export_chrome_trace(str(partial))  # then renamed: a trace that is there is whole
+    os.replace(partial, path)
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"{name}: profile {path}\n{prof.key_averages().table(sort_by=sort, row_limit=15)}", flush=True)
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     argv, common = split_common(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -96,8 +121,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--verbose", action="store_true", help="print each export's log (every tensor's grid, the probes)")
     p.add_argument("--keep", type=Path, default=None, help="keep the artifacts here as NAME.mhcg (default: discard)")
     p.add_argument("--out", default=None, help="write the table as JSON here (atomically)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="profile each variant's export with torch.profiler: NAME.trace.json here (Chrome trace; its "
+                        "'export: …' ranges are calibration's parts and each loss-probe pass) and the top operators")
     args = p.parse_args(argv)
-    for flag, path, folder in (("--out", args.out, False), ("--keep", args.keep, True)):
+    for flag, path, folder in (("--out", args.out, False), ("--keep", args.keep, True),
+                               ("--profile", args.profile, True)):
         if path and (problem := output_problem(path, folder)):
             p.error(f"{flag} {path}: {problem}")
     require_weights(p, args.checkpoint)  # before the shards, the byte audit and the device are set up
@@ -139,9 +168,10 @@ def main(argv=None) -> int:
                 vcfg.quant.budget_bytes = rows[0]["artifact_bytes"]
             artifact = out_dir / f"{v.name}.mhcg"
             t0 = time.perf_counter()
-            report = export_model(vcfg, model, train_files=train_files, rank=0, world_size=1,
-                                  log=print if args.verbose else (lambda line: None), artifact_path=artifact, tokenizer_sha256=sha, device=device,
-                                  train_time_s=train_time_s)
+            with profiled(args.profile, v.name, device):
+                report = export_model(vcfg, model, train_files=train_files, rank=0, world_size=1,
+                                      log=print if args.verbose else (lambda line: None), artifact_path=artifact,
+                                      tokenizer_sha256=sha, device=device, train_time_s=train_time_s)
             seconds = time.perf_counter() - t0
             if "export_error" in report:
                 raise SystemExit(f"variant {v.name}: {report['export_error']}")

@@ -91,3 +91,22 @@ def test_an_artifact_serves_as_the_weights(tiny_checkpoint, tmp_path):
     with pytest.raises(SystemExit, match="cut.mhcg: truncated or padded"):
         bench_quant.main([*args, "--checkpoint", str(tmp_path / "cut.mhcg"), "--variant", "rd=quant.scheme=rd",
                           "--", *overrides])
+
+
+def test_profile_writes_a_trace_of_each_export_with_its_parts_labelled(tiny_checkpoint, tmp_path, capsys):
+    """--profile: one Chrome trace per variant, whose ranges name calibration's parts and every loss-probe pass (the
+    unchanged model's first), and the top operators printed; a file where the folder should be is refused first."""
+    ckpt, overrides = tiny_checkpoint
+    args = ["--config", str(REPO / "configs/demo.toml"), "--checkpoint", str(ckpt),
+            "--variant", "rd=quant.scheme=rd", "--variant", "again=quant.scheme=rd"]
+    assert bench_quant.main([*args, "--profile", str(tmp_path / "prof"), "--", *overrides]) == 0
+    out = capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == ["again.trace.json", "rd.trace.json"]
+    names = {e.get("name") for e in json.loads((tmp_path / "prof" / "rd.trace.json").read_text())["traceEvents"]}
+    passes = sorted(n for n in names if n and n.startswith("export: probe pass "))
+    assert {"export: hessians", "export: fisher"} <= names and passes[0] == "export: probe pass 0" and len(passes) >= 2
+    assert f"rd: profile {tmp_path / 'prof' / 'rd.trace.json'}" in out and "Self CPU" in out
+    (tmp_path / "taken").write_text("a file")
+    with pytest.raises(SystemExit) as exit_:
+        bench_quant.main([*args, "--profile", str(tmp_path / "taken"), "--", *overrides])
+    assert exit_.value.code == 2 and "--profile" in capsys.readouterr().err
