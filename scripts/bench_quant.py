@@ -92,8 +92,8 @@ def format_kinds(rows: list[dict]) -> str:
 @contextmanager
 def profiled(folder: Path | None, name: str, device: torch.device):
     """Profile the block into folder/<name>.trace.json and print its top operators by self time (nothing without a
-    folder). Why: calibration counts against the training budget and its time varies from run to run, most of it in
-    one pass at a time; the trace shows what such a pass waits for."""
+    folder). Why: calibration counts against the training budget and its time varies from run to run; the trace shows
+    what a slow pass waits for."""
     if folder is None:
         yield
         return
