@@ -190,6 +190,8 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
         result = quantize_rank({n: m.weight for n, m in plan.linears.items()}, plan.observed, tables, calib, fisher,
                                method, min_bits, observed_bits, table_bits, measure, budget_bytes, chunk_size)
     timings["quant_alloc_s"] = time.perf_counter() - t
+    if "probe_pass_s" in timings:  # the probes' time, counted as calibration: decoding and every pass
+        timings["probe_s"] = timings["probe_dequantize_s"] + sum(timings["probe_pass_s"])
 
     t = time.perf_counter()
     quantized = {name: result.values[name] if name in result.values else fixed[name] for name in state}
@@ -220,16 +222,15 @@ def seconds_since(t: float, device: torch.device) -> float:
 
 def loss_probe(model: nn.Module, batches: list[torch.Tensor], autocast_dtype, timings: dict) -> Callable:
     """probe(values) -> the loss increase on the calibration batches with `values` in place; its time goes to
-    timings["probe_s"] (the probes read training tokens: calibration, inside the training budget), of it the time
-    spent decoding `values` with numpy (reading no tokens) to timings["probe_dequantize_s"], and each pass over the
-    batches (the unchanged model's first; each later one with the copies in and out of the model) to
-    timings["probe_pass_s"]: the probes' time varies from run to run, and the parts say whether the host's decoding,
-    one pass or every pass does."""
+    timings in parts: decoding `values` with numpy (reading no tokens) to timings["probe_dequantize_s"], and each
+    pass over the batches (the unchanged model's first; each later one with the copies in and out of the model) to
+    timings["probe_pass_s"]. Their sum is the probes' time (probe_s, counted as calibration: the probes read training
+    tokens); it varies from run to run, and the parts say whether the host's decoding, one pass or every pass does."""
     t = time.perf_counter()
     with record_function("export: probe pass 0"):
         base = mean_loss(model, batches, autocast_dtype)
     first = time.perf_counter() - t
-    timings.update(probe_s=first, probe_dequantize_s=0.0, probe_pass_s=[first])
+    timings.update(probe_dequantize_s=0.0, probe_pass_s=[first])
 
     def probe(values: dict[str, QuantizedTensor]) -> float:
         t = time.perf_counter()
@@ -237,10 +238,8 @@ def loss_probe(model: nn.Module, batches: list[torch.Tensor], autocast_dtype, ti
         decoded = time.perf_counter()
         with record_function(f"export: probe pass {len(timings['probe_pass_s'])}"):
             loss = loss_with(model, batches, dense, autocast_dtype)
-        done = time.perf_counter()
         timings["probe_dequantize_s"] += decoded - t
-        timings["probe_pass_s"].append(done - decoded)
-        timings["probe_s"] += done - t
+        timings["probe_pass_s"].append(time.perf_counter() - decoded)
         return loss - base
     return probe
 

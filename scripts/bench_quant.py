@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -100,11 +99,10 @@ def profiled(folder: Path | None, name: str, device: torch.device):
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         yield
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.trace.json"
-    partial = path.with_name(f".{path.name}.partial")
-    prof.export_chrome_trace(str(partial))  # then renamed: a trace that is there is whole
-    os.replace(partial, path)
+    with tempfile.TemporaryDirectory() as tmp:  # the profiler writes to a path; write_atomic makes the trace whole
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        write_atomic(path, Path(tmp, "trace.json").read_bytes())
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(f"{name}: profile {path}\n{prof.key_averages().table(sort_by=sort, row_limit=15)}", flush=True)
 
