@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.profiler import record_function
 
 from data.files import write_atomic
 from quant.allocate import FALLBACK_BITS, HIGH_BITS, LOW_BITS
@@ -32,6 +31,7 @@ from quant.gptq import FP16_MAX
 from quant.options import ERROR_WEIGHTS, METHODS, MIN_BITS, OBSERVED_BITS, SCHEMES, TABLE_BITS
 from quant.pack import QuantizedTensor
 from quant.probe import loss_with, mean_loss
+from quant.profiling import export_part
 from quant.schemes import error_models, quantize_rank, quantize_rd, quantize_sdclip
 
 assert MIN_BITS == (FALLBACK_BITS, LOW_BITS), "quant.options.MIN_BITS must name the allocator's widths"
@@ -148,13 +148,13 @@ def export_artifact(model: nn.Module, calib_batches: Iterable[torch.Tensor], pat
     calib_batches = list(calib_batches)  # read twice with Fisher weights
     heads = tables if by_rd and hasattr(model, "quant_observer") else None  # the tied table, reported as the head
     lookups = plan.embeddings if by_rd else None
-    with record_function("export: hessians"):  # the labels name the parts in a profile (scripts.bench_quant --profile)
+    with export_part("export: hessians"):  # calibration's parts, named in a profile (quant/profiling.py)
         calib = calibrate(model, plan.linears, calib_batches, autocast_dtype, plan.observed, heads, lookups)
     timings["hessian_s"] = seconds_since(t, device)
     fisher = None
     if error_weight == "fisher":
         outputs = [*plan.observed, *(n for n in tables if n in calib.hessians)] if by_rd else []
-        with record_function("export: fisher"):
+        with export_part("export: fisher"):
             fisher = collect_fisher(model, plan.linears, calib_batches, autocast_dtype, outputs, lookups)
     timings["calib_s"] = seconds_since(t, device)
     if fisher is not None:
@@ -227,7 +227,7 @@ def loss_probe(model: nn.Module, batches: list[torch.Tensor], autocast_dtype, ti
     timings["probe_pass_s"]. Their sum is the probes' time (probe_s, counted as calibration: the probes read training
     tokens); it varies from run to run, and the parts say whether the host's decoding, one pass or every pass does."""
     t = time.perf_counter()
-    with record_function("export: probe pass 0"):
+    with export_part("export: probe pass 0"):
         base = mean_loss(model, batches, autocast_dtype)
     first = time.perf_counter() - t
     timings.update(probe_dequantize_s=0.0, probe_pass_s=[first])
@@ -236,7 +236,7 @@ def loss_probe(model: nn.Module, batches: list[torch.Tensor], autocast_dtype, ti
         t = time.perf_counter()
         dense = {name: v.dequantize() for name, v in values.items()}
         decoded = time.perf_counter()
-        with record_function(f"export: probe pass {len(timings['probe_pass_s'])}"):
+        with export_part(f"export: probe pass {len(timings['probe_pass_s'])}"):
             loss = loss_with(model, batches, dense, autocast_dtype)
         timings["probe_dequantize_s"] += decoded - t
         timings["probe_pass_s"].append(time.perf_counter() - decoded)

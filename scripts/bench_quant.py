@@ -11,8 +11,9 @@ scores it from disk, and prints one table: artifact and total bytes, matrices pe
 after quantization and the gap to the float model; and, for the schemes that report them, bits per
 parameter and predicted error per kind of tensor. --equal-bytes NAME gives every variant the byte
 budget that NAME's artifact took. A variant may change only [quant] keys: the weights are fixed. --profile DIR
-writes a torch.profiler trace of each variant's export (calibration's parts and each loss-probe pass labelled);
-a variant repeated under another name shows what a second export in the same process no longer pays.
+writes a torch.profiler trace of calibration in each variant's export (its parts and each loss-probe pass labelled,
+the rest of the export not recorded); a variant repeated under another name shows what a second export in the same
+process no longer pays.
 Write a checkpoint at the end of a run with train.checkpoint_every=<max_steps>, or stop a run with
 SIGTERM; an artifact (.mhcg) also serves, by its dequantized weights.
 """
@@ -36,6 +37,7 @@ from data.loader import load_tokens
 from data.shards import ShardError, list_shards, require_disjoint
 from data.tokenizer import TokenizerError, build_byte_lut, file_sha256, load_sp
 from model.gpt import GPT
+from quant.profiling import parts_only
 from training.variants import parse_variant, split_common
 from training.log_reader import output_problem
 from training.score import evaluate_artifact
@@ -90,14 +92,14 @@ def format_kinds(rows: list[dict]) -> str:
 
 @contextmanager
 def profiled(folder: Path | None, name: str, device: torch.device):
-    """Profile the block into folder/<name>.trace.json and print its top operators by self time (nothing without a
-    folder). Why: calibration counts against the training budget and its time varies from run to run; the trace shows
-    what a slow pass waits for."""
+    """Profile calibration's parts in the block (quant/profiling.py) into folder/<name>.trace.json and print their
+    top operators by self time (nothing without a folder). Why: calibration counts against the training budget and
+    its time varies from run to run; the trace shows what a slow pass waits for."""
     if folder is None:
         yield
         return
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as prof, parts_only(prof):
         yield
     path = folder / f"{name}.trace.json"
     with tempfile.TemporaryDirectory() as tmp:  # the profiler writes to a path; write_atomic makes the trace whole
@@ -120,8 +122,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--keep", type=Path, default=None, help="keep the artifacts here as NAME.mhcg (default: discard)")
     p.add_argument("--out", default=None, help="write the table as JSON here (atomically)")
     p.add_argument("--profile", type=Path, default=None,
-                   help="profile each variant's export with torch.profiler: NAME.trace.json here (Chrome trace; its "
-                        "'export: …' ranges are calibration's parts and each loss-probe pass) and the top operators")
+                   help="profile calibration in each variant's export with torch.profiler: NAME.trace.json here "
+                        "(Chrome trace of the 'export: …' ranges, calibration's parts and each loss-probe pass, alone) "
+                        "and their top operators")
     args = p.parse_args(argv)
     for flag, path, folder in (("--out", args.out, False), ("--keep", args.keep, True),
                                ("--profile", args.profile, True)):

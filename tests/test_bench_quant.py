@@ -102,9 +102,14 @@ def test_profile_writes_a_trace_of_each_export_with_its_parts_labelled(tiny_chec
     assert bench_quant.main([*args, "--profile", str(tmp_path / "prof"), "--", *overrides]) == 0
     out = capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == ["again.trace.json", "rd.trace.json"]
-    names = {e.get("name") for e in json.loads((tmp_path / "prof" / "rd.trace.json").read_text())["traceEvents"]}
+    events = json.loads((tmp_path / "prof" / "rd.trace.json").read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
     passes = sorted(n for n in names if n and n.startswith("export: probe pass "))
     assert {"export: hessians", "export: fisher"} <= names and passes[0] == "export: probe pass 0" and len(passes) >= 2
+    # the parts alone: every recorded operator ran inside one of them (GPTQ and the allocation were not recorded)
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name", "").startswith("export: ")]
+    ops = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"]
+    assert ops and all(any(lo <= e["ts"] <= hi for lo, hi in spans) for e in ops)
     assert f"rd: profile {tmp_path / 'prof' / 'rd.trace.json'}" in out and "Self CPU" in out
     (tmp_path / "taken").write_text("a file")
     with pytest.raises(SystemExit) as exit_:
