@@ -2,7 +2,7 @@
 
     python -m scripts.bench_step [--config configs/h100_short.toml] [--steps 30] [--warmup 5]
                                  [--variants config-kernels,n4-kernels,n4-ref,n1-kernels,n1-ref | all]
-                                 [--profile 3]
+                                 [--profile 3] [--recurrence on]
                                  [override ...]
     torchrun --standalone --nproc_per_node=2 -m scripts.bench_step ... train.batch_tokens=196608
 
@@ -12,6 +12,8 @@ or off, compiles the step like train.py (train.compile), and times `--steps` opt
 random tokens after `--warmup` steps (compilation happens there). Prints a markdown table.
 With --profile K, K more steps of each variant run under torch.profiler and the device time is
 broken down by kernel category and by kernel (training/step_profile.py), printed after the table.
+With depth recurrence (model.recur_times > 1) a run steps in two phases; --recurrence on times the second, the
+repeated blocks on (MFU then counts their extra passes), where the default times the first.
 
 Under torchrun every rank runs the same step as train.py does: gradient averaging and sharded Muon.
 tokens/s is the global rate. train.batch_tokens is the global batch, so pass N x 98,304 to keep each
@@ -72,10 +74,14 @@ class RandomTokens:
         return self.x[:, :-1], self.x[:, 1:]
 
 
-def bench_variant(cfg: Config, steps: int, warmup: int, dist: DistInfo, profile: int = 0) -> dict:
+def bench_variant(cfg: Config, steps: int, warmup: int, dist: DistInfo, profile: int = 0,
+                  recurrence: bool = False) -> dict:
+    """recurrence: time the step of depth recurrence's second phase (the repeated blocks on), which a run of a
+    config with model.recur_times > 1 takes from model.recur_at on, instead of the first."""
     device = dist.device
     torch.manual_seed(0)
     model = GPT(cfg.model).to(device)
+    model.recurrence_on = recurrence
     opts = build_optimizers(model.param_groups(), cfg.optim, model.qkv_splits())
     step_model = torch.compile(model) if cfg.train.compile else model
     loader = RandomTokens(cfg.train.micro_batch_seqs, cfg.data.seq_len, cfg.model.vocab_size, device, dist.rank)
@@ -102,7 +108,7 @@ def bench_variant(cfg: Config, steps: int, warmup: int, dist: DistInfo, profile:
     breakdown = profile_steps(step, profile, device) if profile else None
     return {"ranks": dist.world_size, "profile": breakdown,
         "params": sum(p.numel() for p in model.parameters()), "ms_step": 1000 * seconds, "tok_s": tok_s,
-        "mfu": 100 * training_flops_per_token(model, cfg) * tok_s / peak if peak else float("nan"),
+        "mfu": 100 * training_flops_per_token(model, cfg, recurrence) * tok_s / peak if peak else float("nan"),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan"),
         "warmup_s": warmup_s, "loss": float(loss),
     }
@@ -117,6 +123,9 @@ def main(argv=None) -> list[dict]:
                    help=f"comma-separated, or 'all': {list(VARIANTS)}")
     p.add_argument("--profile", type=int, default=0, metavar="K",
                    help="profile K more steps per variant and print where the device time goes")
+    p.add_argument("--recurrence", choices=("off", "on"), default="off",
+                   help="on: time the step with depth recurrence on (a config with model.recur_times > 1 runs it "
+                        "from model.recur_at on); off: the step before it switches on")
     p.add_argument("overrides", nargs="*",
                    help="section.key=value applied to every variant, after the variant's own (so they win)")
     a = p.parse_args(argv)
@@ -130,6 +139,9 @@ def main(argv=None) -> list[dict]:
         configs = [load_config(a.config, variant_overrides(name, a.overrides)) for name in names]
     except ConfigError as e:
         p.error(str(e))
+    if a.recurrence == "on" and (flat := [n for n, cfg in zip(names, configs) if cfg.model.recur_times == 1]):
+        p.error(f"--recurrence on: variants {flat} have no depth recurrence (model.recur_times=1; hint: a config with "
+                "recurrence, such as configs/h100_sp8192_recur.toml, or model.recur_start/recur_end/recur_times)")
     if a.warmup == 0 and any(cfg.train.compile for cfg in configs):  # compilation would land in the timed steps
         p.error("--warmup 0 with train.compile=true times torch.compile's first step as a training step "
                 "(hint: --warmup 1 or more, or train.compile=false)")
@@ -145,9 +157,10 @@ def main(argv=None) -> list[dict]:
     print0("|---|---|---|---|---|---|---|---|---|")
     try:
         for name, cfg in zip(names, configs):
-            r = bench_variant(cfg, a.steps, a.warmup, dist, a.profile)
-            rows.append({"variant": name, **r})
-            print0(f"| {name} | {r['ranks']} | {r['params']:,} | {r['ms_step']:.1f} | {r['tok_s']:,.0f} | "
+            r = bench_variant(cfg, a.steps, a.warmup, dist, a.profile, a.recurrence == "on")
+            rows.append({"variant": name, "recurrence": a.recurrence, **r})
+            label = f"{name} (recurrence on)" if a.recurrence == "on" else name
+            print0(f"| {label} | {r['ranks']} | {r['params']:,} | {r['ms_step']:.1f} | {r['tok_s']:,.0f} | "
                    f"{r['mfu']:.1f} | {r['peak_gib']:.1f} | {r['warmup_s']:.1f} | {r['loss']:.3f} |", flush=True)
     finally:
         destroy()

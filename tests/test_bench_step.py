@@ -72,7 +72,7 @@ def test_named_variants_fix_the_mhc_layout_and_overrides_win():
 def test_main_benchmarks_each_variant_with_the_overrides_last(monkeypatch, capsys):
     seen = []
 
-    def fake_bench(cfg, steps, warmup, dist, profile):
+    def fake_bench(cfg, steps, warmup, dist, profile, recurrence):
         seen.append((cfg.model.n_streams, cfg.model.mhc_blocks, cfg.model.mhc_kernels, cfg.train.device))
         return dict(ranks=1, params=1, ms_step=1.0, tok_s=1.0, mfu=0.0, peak_gib=0.0, warmup_s=0.0, loss=0.0,
                     profile=None)
@@ -115,3 +115,32 @@ def test_counts_and_a_missing_gpu_are_one_line_each(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         bench_step.main(["--variants", "n1-ref", "train.device=cuda"])
     assert "error: train.device='cuda' but no CUDA device is visible (hint:" in capsys.readouterr().err
+
+
+def test_recurrence_on_times_the_second_phase(monkeypatch, capsys):
+    """--recurrence on: every step (warm-up, timed, profiled) runs with the repeated blocks on, and MFU's FLOPs count
+    them; the default times the first phase."""
+    phases = []
+    real_step = bench_step.train_step
+
+    def recording_step(step_model, *args):
+        phases.append(step_model.recurrence_on)
+        return real_step(step_model, *args)
+    monkeypatch.setattr(bench_step, "train_step", recording_step)
+    recur = [*TINY, "model.n_layers=3", "model.recur_start=1", "model.recur_end=1", "model.recur_times=2"]
+    demo = str(bench_step.REPO / "configs/demo.toml")
+    on = bench_step.main(["--config", demo, "--steps", "2", "--warmup", "1", "--variants", "n1-ref", "--recurrence",
+                          "on", *recur])
+    assert phases == [True] * 3 and on[0]["recurrence"] == "on" and math.isfinite(on[0]["loss"])
+    assert "| n1-ref (recurrence on) |" in capsys.readouterr().out
+    phases.clear()
+    off = bench_step.main(["--config", demo, "--steps", "2", "--warmup", "1", "--variants", "n1-ref", *recur])
+    assert phases == [False] * 3 and off[0]["recurrence"] == "off"
+
+
+def test_recurrence_on_without_recurrence_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(bench_step, "bench_variant", lambda *a, **k: pytest.fail("a variant ran"))
+    with pytest.raises(SystemExit):
+        bench_step.main(["--config", str(bench_step.REPO / "configs/demo.toml"), "--variants", "n1-ref",
+                         "--recurrence", "on", *TINY])
+    assert "--recurrence on: variants ['n1-ref'] have no depth recurrence" in capsys.readouterr().err
