@@ -60,6 +60,7 @@ class ModelConfig:
     recur_at: float = 0.35             # training progress (of the budget, or of max_steps) that switches it on
     lane_start: int = 0                # parallel residual lanes on blocks lane_start..n_layers-1; 0 = off
     attention: str = "auto"            # auto (FlashAttention 3 when installed, on CUDA) | sdpa | fa3
+    doc_attention: bool = False        # attend within documents only (BOS starts one): FlexAttention, no fa3
     mhc_kernels: bool = False          # Triton mHC kernels instead of the PyTorch reference
     mlp_kernel: bool = False           # Triton fused LeakyReLU^2 MLP instead of the PyTorch reference
 
@@ -164,6 +165,10 @@ class ModelConfig:
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"model.attention={self.attention!r}: expected 'auto' (FlashAttention 3 when "
                              "importable on CUDA, else SDPA), 'sdpa' or 'fa3'")
+        if self.doc_attention and self.attention != "auto":
+            raise ValueError(f"model.doc_attention=true runs FlexAttention with a document mask, so "
+                             f"model.attention={self.attention!r} would not be used (hint: leave model.attention at "
+                             "'auto')")
         if self.mhc_granularity not in MHC_GRANULARITIES:
             raise ValueError(f"model.mhc_granularity={self.mhc_granularity!r}: expected 'sublayer' (mHC around "
                              "every attention and MLP) or 'block' (around each block, half the stream traffic)")

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 from kernels import mhc_reference
 from kernels.mhc_reference import mhc_projection_input
 from model.config import ModelConfig
+from model.doc_attention import DocumentMask, document_mask
 from model.features import LANE_CARRY_INIT, BigramHash, ParallelLanes, SmearGate, UNetSkips
 from model.layers import MLP, Attention, RMSNorm, RotaryTables, Sublayer
 from model.mhc import MHCParams, lanes_init_bias, mhc_ops
@@ -49,6 +51,12 @@ from model.mhc import MHCParams, lanes_init_bias, mhc_ops
 
 HEAD = "embed.weight"  # the tied table, by state_dict name: the token embedding and the output layer
 PHI_SEED_OFFSET = 0x6D6863  # phi's generator: the run's seed plus this ("mhc"), apart from the global stream
+
+
+class ForwardContext(NamedTuple):
+    """What one forward computes once from the token ids for every attention layer."""
+    value_embed: torch.Tensor | None  # [B, T, value_embed_dim] with value embeddings
+    doc_mask: DocumentMask | None     # under model.doc_attention (model/doc_attention.py)
 
 
 @contextmanager
@@ -194,25 +202,31 @@ class GPT(nn.Module):
             x = self.smear(x, idx)
         return x
 
-    def _extra(self, l: int, value_embed: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        """Extra inputs of sublayer l: the value embedding for attention layers that project it."""
+    def _extra(self, l: int, ctx: ForwardContext) -> tuple:
+        """Extra inputs of sublayer l, for attention alone: the value embedding where the layer projects it, and the
+        document mask under model.doc_attention."""
         body = self.sublayers[l].body
-        return (value_embed,) if isinstance(body, Attention) and body.value_proj is not None else ()
+        if not isinstance(body, Attention):
+            return ()
+        if ctx.doc_mask is not None:
+            return ctx.value_embed, ctx.doc_mask
+        return (ctx.value_embed,) if body.value_proj is not None else ()
 
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:
         """Final hidden state [B, T, C] before the final norm."""
         x = self.embed_tokens(idx)
-        value_embed = self.value_embed(idx) if self.value_embed is not None else None
+        ctx = ForwardContext(self.value_embed(idx) if self.value_embed is not None else None,
+                             document_mask(idx) if self.cfg.doc_attention else None)
         if self.cfg.n_streams == 1:
-            return self._hidden_plain(x, value_embed)
+            return self._hidden_plain(x, ctx)
         # plain virtual layers, then the mHC range's, then plain ones (a loop stays inside one part, ModelConfig checks)
         order, start, end = self.block_order(), self.cfg.mhc_start, self.cfg.mhc_end
         first = sum(b < start for b in order)
         stop = first + sum(start <= b < end for b in order)
         saved: list[torch.Tensor] = []  # U-Net: the state after each encoder layer (see module doc)
-        x = self._hidden_plain(x, value_embed, 0, first, saved)
-        x = self._hidden_mhc(x, value_embed, first, stop, saved)
-        return self._hidden_plain(x, value_embed, stop, len(order), saved)
+        x = self._hidden_plain(x, ctx, 0, first, saved)
+        x = self._hidden_mhc(x, ctx, first, stop, saved)
+        return self._hidden_plain(x, ctx, stop, len(order), saved)
 
     def block_order(self) -> tuple[int, ...]:
         """The physical block of each virtual layer in the phase the model is in (see ModelConfig.block_order)."""
@@ -222,7 +236,7 @@ class GPT(nn.Module):
         """Whether depth recurrence is on at this training progress (0..1, the schedule's)."""
         return self.cfg.recur_times > 1 and progress >= self.cfg.recur_at
 
-    def _hidden_plain(self, x: torch.Tensor, value_embed: torch.Tensor | None, first: int = 0,
+    def _hidden_plain(self, x: torch.Tensor, ctx: ForwardContext, first: int = 0,
                       stop: int | None = None, saved: list[torch.Tensor] | None = None) -> torch.Tensor:
         """Plain pre-norm residual blocks over virtual layers first..stop-1 (to the end for None), as two lanes from
         model.lane_start; saved holds the U-Net skips of earlier layers."""
@@ -231,16 +245,16 @@ class GPT(nn.Module):
         for pos in range(first, len(order) if stop is None else stop):
             block = order[pos]
             if self.lanes is not None and block >= self.cfg.lane_start:
-                return self._hidden_lanes(x, value_embed, pos, saved)
+                return self._hidden_lanes(x, ctx, pos, saved)
             if self.unet is not None:
                 x = self.unet.add(x, pos, len(order), saved)
             for l in (2 * block, 2 * block + 1):
-                x = x + self.sublayers[l](x, *self._extra(l, value_embed))
+                x = x + self.sublayers[l](x, *self._extra(l, ctx))
             if self.unet is not None and self.unet.is_encoder(pos, len(order)):
                 saved.append(x)
         return x
 
-    def _hidden_lanes(self, x: torch.Tensor, value_embed: torch.Tensor | None, first: int,
+    def _hidden_lanes(self, x: torch.Tensor, ctx: ForwardContext, first: int,
                       saved: list[torch.Tensor]) -> torch.Tensor:
         """Virtual layers from `first` on (blocks lane_start.., each once) as two parallel residual lanes
         (ParallelLanes): U-Net skips enter the attention lane a; the state a lane block saves as a skip, and the
@@ -251,14 +265,14 @@ class GPT(nn.Module):
             block = order[pos]
             if self.unet is not None:
                 a = self.unet.add(a, pos, len(order), saved)
-            attn = self.sublayers[2 * block](a, *self._extra(2 * block, value_embed))
+            attn = self.sublayers[2 * block](a, *self._extra(2 * block, ctx))
             mlp = self.sublayers[2 * block + 1](m)
             a, m = self.lanes(block - self.cfg.lane_start, a, m, attn, mlp)
             if self.unet is not None and self.unet.is_encoder(pos, len(order)):
                 saved.append((a + m) * 0.5)
         return (a + m) * 0.5
 
-    def _hidden_mhc(self, x: torch.Tensor, value_embed: torch.Tensor | None, first: int, stop: int,
+    def _hidden_mhc(self, x: torch.Tensor, ctx: ForwardContext, first: int, stop: int,
                     saved: list[torch.Tensor]) -> torch.Tensor:
         """The mHC virtual layers first..stop-1: x expanded into n copies, the units, then the readout."""
         n, it = self.cfg.n_streams, self.cfg.sinkhorn_iters
@@ -286,8 +300,8 @@ class GPT(nn.Module):
                 else None
             if skip is not None:
                 u = u + skip
-            y = (self._block_delta(block, u, value_embed) if per_block
-                 else self.sublayers[l](u, *self._extra(l, value_embed)))
+            y = (self._block_delta(block, u, ctx) if per_block
+                 else self.sublayers[l](u, *self._extra(l, ctx)))
             y = (y if skip is None else y + skip).to(dtype)  # the skip reaches the streams, as in the plain one
             if i < last:
                 nxt = runs[i + 1][2]
@@ -320,9 +334,9 @@ class GPT(nn.Module):
         if self.quant_observer is not None:
             self.quant_observer(f"mhc.{unit}.phi", mhc_projection_input(streams.detach()))
 
-    def _block_delta(self, block: int, u: torch.Tensor, value_embed: torch.Tensor | None) -> torch.Tensor:
+    def _block_delta(self, block: int, u: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """What block `block` adds to its input u as a plain pre-norm residual block: A(u) + M(u + A(u))."""
-        a = self.sublayers[2 * block](u, *self._extra(2 * block, value_embed))
+        a = self.sublayers[2 * block](u, *self._extra(2 * block, ctx))
         return a + self.sublayers[2 * block + 1](u + a.to(u.dtype))
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:

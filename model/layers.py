@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kernels.mlp_reference import leaky_relu_sq
 from model.config import ModelConfig
+from model.doc_attention import doc_causal_attention
 
 
 class RMSNorm(nn.Module):
@@ -152,7 +153,8 @@ class Attention(nn.Module):
         self.gate_width = cfg.attn_gate_width or cfg.d_model
         self.head_gate = nn.Parameter(torch.zeros(cfg.n_heads, self.gate_width)) if cfg.attn_gate else None
 
-    def forward(self, u: torch.Tensor, value_embed: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, u: torch.Tensor, value_embed: torch.Tensor | None = None, doc_mask=None) -> torch.Tensor:
+        """doc_mask: attend within documents (model/doc_attention.py's block mask of this forward's ids)."""
         B, T, C = u.shape
         kv_dim = self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(u).split([C, kv_dim, kv_dim], dim=-1)
@@ -170,7 +172,10 @@ class Attention(nn.Module):
         k = apply_partial_rotary(k, cos, sin, self.rotary_dims)
         half = q.dtype in (torch.bfloat16, torch.float16)
         use_fa3 = self.fa3 is not None and (self.force_fa3 or (q.is_cuda and half))
-        y = causal_attention(q, k, v, self.fa3 if use_fa3 else None)
+        if doc_mask is not None:
+            y = doc_causal_attention(q, k, v, doc_mask)
+        else:
+            y = causal_attention(q, k, v, self.fa3 if use_fa3 else None)
         if self.xsa:
             y = remove_self_value(y, v)
         if self.head_gate is not None:

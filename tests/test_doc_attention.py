@@ -1,0 +1,148 @@
+"""model/doc_attention.py: attention within documents, its FlexAttention tiles against the dense reference, and the
+model under model.doc_attention scoring each document without the ones before it."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
+
+from model.config import ModelConfig
+from model.doc_attention import (BLOCK, doc_block_mask, doc_causal_attention, doc_causal_reference, document_ids,
+                                 document_mask)
+from model.features import BOS_ID
+from model.gpt import GPT
+from tests.test_model import randomize_
+
+
+def ids_with_documents(rows: int, T: int, vocab: int = 64, seed: int = 0, docs_per_row: int = 4) -> torch.Tensor:
+    """Token ids [rows, T] with BOS at random places (and at 0 in every other row), never a BOS elsewhere."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(BOS_ID + 1, vocab, (rows, T), generator=g)
+    for r in range(rows):
+        starts = torch.randperm(T, generator=g)[:docs_per_row]
+        idx[r, starts] = BOS_ID
+        if r % 2 == 0:
+            idx[r, 0] = BOS_ID
+    return idx
+
+
+def qkv(B: int, T: int, H: int = 4, H_kv: int = 2, D: int = 16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, H, T, D, generator=g), torch.randn(B, H_kv, T, D, generator=g),
+            torch.randn(B, H_kv, T, D, generator=g))
+
+
+def test_document_ids_count_the_bos_tokens_so_far():
+    idx = torch.tensor([[5, 1, 7, 7, 1, 1, 9], [1, 3, 3, 3, 3, 1, 2]])
+    assert document_ids(idx).tolist() == [[0, 1, 1, 1, 2, 3, 3], [1, 1, 1, 1, 1, 2, 2]]
+
+
+def test_the_reference_is_causal_attention_run_on_each_document_alone():
+    idx = ids_with_documents(2, 50)
+    q, k, v = qkv(2, 50)
+    out = doc_causal_reference(q, k, v, document_ids(idx))
+    for b in range(2):
+        cuts = [0, *(t for t in range(1, 50) if idx[b, t] == BOS_ID), 50]
+        for lo, hi in zip(cuts, cuts[1:]):
+            alone = F.scaled_dot_product_attention(q[b:b + 1, :, lo:hi], k[b:b + 1, :, lo:hi], v[b:b + 1, :, lo:hi],
+                                                   is_causal=True, enable_gqa=True)
+            torch.testing.assert_close(out[b:b + 1, :, lo:hi], alone, atol=1e-5, rtol=1e-5)
+
+
+def _tiles(counts: torch.Tensor, indices: torch.Tensor) -> set[tuple[int, int, int]]:
+    """(row, query tile, key tile) of every tile a BlockMask lists."""
+    return {(b, i, int(indices[b, 0, i, j])) for b in range(counts.shape[0]) for i in range(counts.shape[2])
+            for j in range(int(counts[b, 0, i]))}
+
+
+@pytest.mark.parametrize("T,block,docs", [(300, 128, 3), (512, 128, 2), (77, 16, 5), (64, 16, 1), (40, 16, 0)])
+def test_the_tiles_hold_every_allowed_pair_and_full_tiles_only_allowed_ones(T, block, docs):
+    idx = ids_with_documents(3, T, docs_per_row=docs, seed=T)
+    ids = document_ids(idx)
+    mask = doc_block_mask(ids, block)
+    partial = _tiles(mask.kv_num_blocks, mask.kv_indices)
+    full = _tiles(mask.full_kv_num_blocks, mask.full_kv_indices)
+    assert not partial & full
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    for b in range(3):
+        allowed = (ids[b, :, None] == ids[b, None, :]) & causal
+        for i in range(-(-T // block)):
+            for j in range(-(-T // block)):
+                tile = allowed[i * block:(i + 1) * block, j * block:(j + 1) * block]
+                if (b, i, j) in full:
+                    assert tile.all(), (b, i, j)
+                elif (b, i, j) not in partial:
+                    assert not tile.any(), (b, i, j)  # a skipped tile has no pair of one document
+    # the tiles skip work wherever a row holds more than one document
+    assert docs < 2 or len(partial) + len(full) < 3 * sum(range(1, -(-T // block) + 1))
+
+
+@pytest.mark.parametrize("T,block", [(300, 128), (77, 16)])
+def test_flex_attention_on_the_tiles_equals_the_reference(T, block):
+    """FlexAttention (its unfused forward here, on a CPU) on doc_block_mask's tiles computes the dense reference."""
+    idx = ids_with_documents(2, T, seed=3)
+    q, k, v = qkv(2, T, seed=4)
+    ids = document_ids(idx)
+    out = flex_attention(q, k, v, block_mask=doc_block_mask(ids, block), enable_gqa=True)
+    torch.testing.assert_close(out, doc_causal_reference(q, k, v, ids), atol=1e-5, rtol=1e-5)
+
+
+def doc_model(doc_attention: bool, **kw) -> GPT:
+    options = dict(vocab_size=64, n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, n_streams=2, mhc_blocks=2,
+                   xsa_layers=2, unet_skips=True, smear_gate=True, bigram_buckets=32, bigram_dim=8,
+                   value_embed_layers=2, value_embed_dim=8, rope_dims=4, doc_attention=doc_attention)
+    cfg = ModelConfig(**{**options, **kw})
+    torch.manual_seed(0)
+    return randomize_(GPT(cfg)).eval()
+
+
+@pytest.mark.parametrize("kw", [{}, {"recur_start": 2, "recur_end": 3, "recur_times": 2},
+                                {"n_streams": 1, "mhc_blocks": 0}])
+def test_a_document_is_scored_without_the_documents_before_it(kw):
+    """Under model.doc_attention the logits of a document do not change when the documents before it in the row
+    do; with attention across documents they do. Every token-mixing path takes part: attention, SmearGate,
+    BigramHash, value embeddings, U-Net skips, mHC streams and depth recurrence."""
+    idx = ids_with_documents(1, 48, docs_per_row=0)
+    idx[0, 0], idx[0, 20] = BOS_ID, BOS_ID
+    other = idx.clone()
+    other[0, 1:20] = torch.randint(BOS_ID + 1, 64, (19,), generator=torch.Generator().manual_seed(9))
+    for doc_attention in (True, False):
+        model = doc_model(doc_attention, **kw)
+        model.recurrence_on = "recur_times" in kw
+        with torch.no_grad():
+            a, b = model(idx), model(other)
+        moved = (a[0, 20:] - b[0, 20:]).abs().max().item()
+        assert (moved < 1e-5) if doc_attention else (moved > 1e-3), (doc_attention, moved)
+        assert (a[0, 1:20] - b[0, 1:20]).abs().max().item() > 1e-3  # the changed document's own logits do move
+
+
+def test_training_through_the_reference_has_gradients():
+    model = doc_model(True).train()
+    idx = ids_with_documents(2, 33, seed=5)
+    loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_doc_attention_refuses_another_attention_backend():
+    with pytest.raises(ValueError, match="model.doc_attention=true runs FlexAttention"):
+        ModelConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, doc_attention=True,
+                    attention="sdpa").validate()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_compiled_flex_attention_matches_the_reference_forward_and_backward():
+    """On a GPU the compiled FlexAttention kernel on the tiles, bf16, forward and backward, at the training shape."""
+    idx = ids_with_documents(2, 2048, vocab=8192, docs_per_row=3, seed=6).cuda()
+    q, k, v = (t.cuda().to(torch.bfloat16).requires_grad_() for t in qkv(2, 2048, H=8, H_kv=4, D=64, seed=7))
+    mask = document_mask(idx)
+    assert mask.blocks is not None and mask.blocks.BLOCK_SIZE == (BLOCK, BLOCK)
+    out = doc_causal_attention(q, k, v, mask)
+    ref_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = doc_causal_reference(*ref_inputs, mask.docs)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    g = torch.randn_like(ref)
+    out.backward(g.to(out.dtype))
+    ref.backward(g)
+    for got, want in zip((q, k, v), ref_inputs):
+        torch.testing.assert_close(got.grad.float(), want.grad, atol=5e-2, rtol=5e-2)
