@@ -8,9 +8,11 @@ work: the attention kernel skips every 128×128 tile that holds no pair of one d
 records do this with FlashAttention's variable-length kernel (https://github.com/openai/parameter-golf/pull/1530);
 here it is FlexAttention (https://pytorch.org/blog/flexattention/) with a block mask built from the BOS positions.
 
-`document_mask(idx)` builds the mask once per forward (every layer shares it); `doc_causal_attention` runs it: on a
-GPU FlexAttention's compiled kernel on the tiles, elsewhere (FlexAttention has no backward on a CPU) the reference,
-SDPA with the dense mask.
+`document_mask(idx)` builds the mask once per forward (every layer shares it); `doc_causal_attention` runs it. Inside
+a compiled model on a GPU (training's step) that is FlexAttention, fused into one Triton kernel that skips the tiles.
+Everywhere else it is the reference, SDPA with the dense mask: uncompiled, FlexAttention would either run unfused or
+compile a kernel for each new batch shape, and calibration, which runs uncompiled inside the training budget, cannot
+wait for that; on a CPU FlexAttention has no backward at all.
 """
 from __future__ import annotations
 
@@ -24,10 +26,6 @@ from model.features import BOS_ID
 
 BLOCK = 128  # FlexAttention's tile: the unit in which cross-document work is skipped
 
-# Compiled, FlexAttention runs as one fused Triton kernel that skips the masked tiles; uncompiled (eager on a CPU,
-# where the tests run) it is an unfused reference. Inside a compiled model the compiled call is traced through.
-_flex_compiled = torch.compile(flex_attention, dynamic=False)
-
 
 def document_ids(idx: torch.Tensor, bos_id: int = BOS_ID) -> torch.Tensor:
     """int32 [B, T]: the index of the document each token belongs to within its row (a row's tokens before its
@@ -37,12 +35,13 @@ def document_ids(idx: torch.Tensor, bos_id: int = BOS_ID) -> torch.Tensor:
 
 class DocumentMask(NamedTuple):
     docs: torch.Tensor          # int32 [B, T]: each token's document (document_ids)
-    blocks: BlockMask | None    # FlexAttention's tiles on a GPU; None where the dense reference runs
+    blocks: BlockMask | None    # FlexAttention's tiles when compiling for a GPU; None where the reference runs
 
 
 def document_mask(idx: torch.Tensor, bos_id: int = BOS_ID) -> DocumentMask:
     docs = document_ids(idx, bos_id)
-    return DocumentMask(docs, doc_block_mask(docs) if idx.is_cuda else None)
+    flex = idx.is_cuda and torch.compiler.is_compiling()
+    return DocumentMask(docs, doc_block_mask(docs) if flex else None)
 
 
 def _indices(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,12 +86,16 @@ def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     """Causal GQA attention within documents: q [B, H, T, D], k/v [B, H_kv, T, D] -> [B, H, T, D]."""
     if mask.blocks is None:
         return doc_causal_reference(q, k, v, mask.docs)
-    return _flex_compiled(q, k, v, block_mask=mask.blocks, enable_gqa=k.shape[1] != q.shape[1])
+    return flex_attention(q, k, v, block_mask=mask.blocks, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def doc_causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
-    """The same through SDPA with the dense [B, 1, T, T] mask: every pair computed, then masked."""
-    T = q.shape[2]
+    """The same through SDPA with the dense [B, 1, T, T] mask: every pair computed, then masked. The KV heads are
+    repeated for the query heads that read them (head h reads KV head h // (H / H_kv), as enable_gqa does): with a
+    mask, SDPA's GQA would fall back to its unfused math kernel on a GPU."""
+    T, group = q.shape[2], q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     allowed = (docs[:, None, :, None] == docs[:, None, None, :]) & causal
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)

@@ -132,14 +132,19 @@ def test_doc_attention_refuses_another_attention_backend():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_compiled_flex_attention_matches_the_reference_forward_and_backward():
-    """On a GPU the compiled FlexAttention kernel on the tiles, bf16, forward and backward, at the training shape."""
+    """Compiled on a GPU (as training's step is) the mask is FlexAttention's tiles and its fused kernel runs, bf16,
+    forward and backward, at the training shape; uncompiled the reference runs."""
     idx = ids_with_documents(2, 2048, vocab=8192, docs_per_row=3, seed=6).cuda()
     q, k, v = (t.cuda().to(torch.bfloat16).requires_grad_() for t in qkv(2, 2048, H=8, H_kv=4, D=64, seed=7))
-    mask = document_mask(idx)
-    assert mask.blocks is not None and mask.blocks.BLOCK_SIZE == (BLOCK, BLOCK)
-    out = doc_causal_attention(q, k, v, mask)
+    assert document_mask(idx).blocks is None  # eager: the reference
+
+    def attend(q, k, v, idx):
+        mask = document_mask(idx)
+        assert mask.blocks is not None and mask.blocks.BLOCK_SIZE == (BLOCK, BLOCK)
+        return doc_causal_attention(q, k, v, mask)
+    out = torch.compile(attend, fullgraph=True)(q, k, v, idx)
     ref_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    ref = doc_causal_reference(*ref_inputs, mask.docs)
+    ref = doc_causal_reference(*ref_inputs, document_ids(idx))
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     g = torch.randn_like(ref)
     out.backward(g.to(out.dtype))
