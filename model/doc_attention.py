@@ -86,6 +86,8 @@ def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     """Causal GQA attention within documents: q [B, H, T, D], k/v [B, H_kv, T, D] -> [B, H, T, D]."""
     if mask.blocks is None:
         return doc_causal_reference(q, k, v, mask.docs)
+    # FlexAttention is no autocast op (SDPA is): under autocast q and k may leave their norm in another dtype than v
+    q, k = q.to(v.dtype), k.to(v.dtype)
     return flex_attention(q, k, v, block_mask=mask.blocks, enable_gqa=k.shape[1] != q.shape[1])
 
 

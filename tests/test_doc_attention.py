@@ -151,3 +151,26 @@ def test_gpu_compiled_flex_attention_matches_the_reference_forward_and_backward(
     ref.backward(g)
     for got, want in zip((q, k, v), ref_inputs):
         torch.testing.assert_close(got.grad.float(), want.grad, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_compiled_model_with_doc_attention_matches_the_uncompiled_one():
+    """The training step's path: the whole model compiled under bf16 autocast (FlexAttention on the tiles) gives the
+    loss and gradients of the uncompiled model (the reference), with recurrence on and mHC streams."""
+    model = doc_model(True, recur_start=2, recur_end=3, recur_times=2).cuda().train()
+    model.recurrence_on = True
+    idx = ids_with_documents(4, 257, docs_per_row=3, seed=8).cuda()
+
+    def loss_and_grads(run):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = run(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        return loss.detach().float(), [p.grad.detach().float().clone() for p in model.parameters()]
+    ref_loss, ref_grads = loss_and_grads(model)
+    loss, grads = loss_and_grads(torch.compile(model))
+    torch.testing.assert_close(loss, ref_loss, atol=2e-2, rtol=2e-2)
+    for got, want in zip(grads, ref_grads):
+        scale = want.abs().max().clamp_min(1e-6)
+        assert (got - want).abs().max() <= 0.05 * scale
