@@ -2,7 +2,7 @@
 
     python -m scripts.bench_step [--config configs/h100_short.toml] [--steps 30] [--warmup 5]
                                  [--variants config-kernels,n4-kernels,n4-ref,n1-kernels,n1-ref | all]
-                                 [--profile 3] [--recurrence on]
+                                 [--profile 3] [--recurrence on] [--doc-tokens 640]
                                  [override ...]
     torchrun --standalone --nproc_per_node=2 -m scripts.bench_step ... train.batch_tokens=196608
 
@@ -13,7 +13,9 @@ random tokens after `--warmup` steps (compilation happens there). Prints a markd
 With --profile K, K more steps of each variant run under torch.profiler and the device time is
 broken down by kernel category and by kernel (training/step_profile.py), printed after the table.
 With depth recurrence (model.recur_times > 1) a run steps in two phases; --recurrence on times the second, the
-repeated blocks on (MFU then counts their extra passes), where the default times the first.
+repeated blocks on (MFU then counts their extra passes), where the default times the first. Attention within
+documents (model.doc_attention) costs what the documents' lengths make it: --doc-tokens N gives the random tokens
+documents of mean length N.
 
 Under torchrun every rank runs the same step as train.py does: gradient averaging and sharded Muon.
 tokens/s is the global rate. train.batch_tokens is the global batch, so pass N x 98,304 to keep each
@@ -30,6 +32,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
+from model.features import BOS_ID
 from model.gpt import GPT
 from training.step_profile import format_tables, profile_steps
 from training.config import Config, ConfigError, load_config
@@ -64,18 +67,26 @@ DEFAULT_VARIANTS = ("config-kernels", "n4-kernels", "n4-ref", "n1-kernels", "n1-
 
 
 class RandomTokens:
-    """Random batches already on the device: measures the step, not the loader."""
+    """Random batches already on the device: measures the step, not the loader. With doc_tokens, a BOS starts a
+    document at each position with probability 1/doc_tokens (documents of that mean length), where uniform ids would
+    give one BOS per vocab_size tokens: attention within documents (model.doc_attention) costs what the documents'
+    lengths make it."""
 
-    def __init__(self, batch_seqs: int, seq_len: int, vocab: int, device: torch.device, rank: int = 0):
+    def __init__(self, batch_seqs: int, seq_len: int, vocab: int, device: torch.device, rank: int = 0,
+                 doc_tokens: int = 0):
         g = torch.Generator().manual_seed(rank)  # each rank its own tokens, as a sharded loader gives
-        self.x = torch.randint(0, vocab, (batch_seqs, seq_len + 1), generator=g).to(device)
+        x = torch.randint(BOS_ID + 1, vocab, (batch_seqs, seq_len + 1), generator=g) if doc_tokens else \
+            torch.randint(0, vocab, (batch_seqs, seq_len + 1), generator=g)
+        if doc_tokens:
+            x[torch.rand(x.shape, generator=g) < 1.0 / doc_tokens] = BOS_ID
+        self.x = x.to(device)
 
     def next_batch(self):
         return self.x[:, :-1], self.x[:, 1:]
 
 
 def bench_variant(cfg: Config, steps: int, warmup: int, dist: DistInfo, profile: int = 0,
-                  recurrence: bool = False) -> dict:
+                  recurrence: bool = False, doc_tokens: int = 0) -> dict:
     """recurrence: time the step of depth recurrence's second phase (the repeated blocks on), which a run of a
     config with model.recur_times > 1 takes from model.recur_at on, instead of the first."""
     device = dist.device
@@ -84,7 +95,8 @@ def bench_variant(cfg: Config, steps: int, warmup: int, dist: DistInfo, profile:
     model.recurrence_on = recurrence
     opts = build_optimizers(model.param_groups(), cfg.optim, model.qkv_splits())
     step_model = torch.compile(model) if cfg.train.compile else model
-    loader = RandomTokens(cfg.train.micro_batch_seqs, cfg.data.seq_len, cfg.model.vocab_size, device, dist.rank)
+    loader = RandomTokens(cfg.train.micro_batch_seqs, cfg.data.seq_len, cfg.model.vocab_size, device, dist.rank,
+                          doc_tokens)
     accum = grad_accum_steps(cfg, dist.world_size)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -126,6 +138,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--recurrence", choices=("off", "on"), default="off",
                    help="on: time the step with depth recurrence on (a config with model.recur_times > 1 runs it "
                         "from model.recur_at on); off: the step before it switches on")
+    p.add_argument("--doc-tokens", type=int, default=0, metavar="N",
+                   help="random documents of mean length N tokens (a BOS at each position with probability 1/N; the "
+                        "shared sp8192 train mix averages ~640), for model.doc_attention; 0: uniform ids")
     p.add_argument("overrides", nargs="*",
                    help="section.key=value applied to every variant, after the variant's own (so they win)")
     a = p.parse_args(argv)
@@ -133,6 +148,8 @@ def main(argv=None) -> list[dict]:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    if a.doc_tokens < 0 or a.doc_tokens == 1:
+        p.error(f"--doc-tokens {a.doc_tokens}: the mean document length must be 0 (uniform ids) or at least 2")
     if a.profile < 0 or a.steps < 1 or a.warmup < 0:
         p.error(f"need --steps >= 1, --warmup >= 0 and --profile >= 0, got {a.steps}, {a.warmup} and {a.profile}")
     try:  # every variant's config before the first one compiles (an override may not suit them all)
@@ -157,7 +174,7 @@ def main(argv=None) -> list[dict]:
     print0("|---|---|---|---|---|---|---|---|---|")
     try:
         for name, cfg in zip(names, configs):
-            r = bench_variant(cfg, a.steps, a.warmup, dist, a.profile, a.recurrence == "on")
+            r = bench_variant(cfg, a.steps, a.warmup, dist, a.profile, a.recurrence == "on", a.doc_tokens)
             rows.append({"variant": name, "recurrence": a.recurrence, **r})
             label = f"{name} (recurrence on)" if a.recurrence == "on" else name
             print0(f"| {label} | {r['ranks']} | {r['params']:,} | {r['ms_step']:.1f} | {r['tok_s']:,.0f} | "

@@ -72,7 +72,7 @@ def test_named_variants_fix_the_mhc_layout_and_overrides_win():
 def test_main_benchmarks_each_variant_with_the_overrides_last(monkeypatch, capsys):
     seen = []
 
-    def fake_bench(cfg, steps, warmup, dist, profile, recurrence):
+    def fake_bench(cfg, steps, warmup, dist, profile, recurrence, doc_tokens):
         seen.append((cfg.model.n_streams, cfg.model.mhc_blocks, cfg.model.mhc_kernels, cfg.train.device))
         return dict(ranks=1, params=1, ms_step=1.0, tok_s=1.0, mfu=0.0, peak_gib=0.0, warmup_s=0.0, loss=0.0,
                     profile=None)
@@ -144,3 +144,31 @@ def test_recurrence_on_without_recurrence_is_refused(monkeypatch, capsys):
         bench_step.main(["--config", str(bench_step.REPO / "configs/demo.toml"), "--variants", "n1-ref",
                          "--recurrence", "on", *TINY])
     assert "--recurrence on: variants ['n1-ref'] have no depth recurrence" in capsys.readouterr().err
+
+
+def test_random_tokens_hold_documents_of_the_mean_length_asked_for():
+    """--doc-tokens N: a BOS at each position with probability 1/N, none elsewhere (uniform ids would give one BOS
+    per vocab_size tokens, documents far longer than a row)."""
+    from model.features import BOS_ID
+    tokens = bench_step.RandomTokens(32, 2048, 8192, torch.device("cpu"), doc_tokens=100).x
+    share = (tokens == BOS_ID).float().mean().item()
+    assert 0.008 < share < 0.012 and tokens.min() >= BOS_ID
+    uniform = bench_step.RandomTokens(32, 2048, 8192, torch.device("cpu")).x
+    assert (uniform == BOS_ID).float().mean().item() < 0.001
+
+
+def test_doc_tokens_reach_every_variant_and_bad_lengths_are_refused(monkeypatch, capsys):
+    seen = []
+
+    def fake_bench(cfg, steps, warmup, dist, profile, recurrence, doc_tokens):
+        seen.append(doc_tokens)
+        return dict(ranks=1, params=1, ms_step=1.0, tok_s=1.0, mfu=0.0, peak_gib=0.0, warmup_s=0.0, loss=0.0,
+                    profile=None)
+    monkeypatch.setattr(bench_step, "bench_variant", fake_bench)
+    demo = str(bench_step.REPO / "configs/demo.toml")
+    bench_step.main(["--config", demo, "--variants", "n1-ref,n2-kernels", "--doc-tokens", "640", "train.device=cpu"])
+    assert seen == [640, 640]
+    for bad in ("1", "-5"):
+        with pytest.raises(SystemExit):
+            bench_step.main(["--config", demo, "--variants", "n1-ref", "--doc-tokens", bad])
+        assert f"--doc-tokens {bad}: the mean document length must be 0" in capsys.readouterr().err
