@@ -166,9 +166,9 @@ class ModelConfig:
             raise ValueError(f"model.attention={self.attention!r}: expected 'auto' (FlashAttention 3 when "
                              "importable on CUDA, else SDPA), 'sdpa' or 'fa3'")
         if self.doc_attention and self.attention != "auto":
-            raise ValueError(f"model.doc_attention=true runs FlexAttention with a document mask, so "
-                             f"model.attention={self.attention!r} would not be used (hint: leave model.attention at "
-                             "'auto')")
+            raise ValueError(f"model.doc_attention=true attends through a document mask (FlexAttention compiled, "
+                             f"SDPA uncompiled), so model.attention={self.attention!r} would not be used (hint: leave "
+                             "model.attention at 'auto')")
         if self.mhc_granularity not in MHC_GRANULARITIES:
             raise ValueError(f"model.mhc_granularity={self.mhc_granularity!r}: expected 'sublayer' (mHC around "
                              "every attention and MLP) or 'block' (around each block, half the stream traffic)")

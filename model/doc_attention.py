@@ -34,14 +34,25 @@ def document_ids(idx: torch.Tensor, bos_id: int = BOS_ID) -> torch.Tensor:
 
 
 class DocumentMask(NamedTuple):
-    docs: torch.Tensor          # int32 [B, T]: each token's document (document_ids)
-    blocks: BlockMask | None    # FlexAttention's tiles when compiling for a GPU; None where the reference runs
+    docs: torch.Tensor                # int32 [B, T]: each token's document (document_ids)
+    blocks: BlockMask | None          # FlexAttention's tiles when compiling for a GPU, else None
+    dense: torch.Tensor | None        # bool [B, 1, T, T]: the pairs the reference may attend, where it runs
 
 
 def document_mask(idx: torch.Tensor, bos_id: int = BOS_ID) -> DocumentMask:
+    """The mask of one forward, built once for every layer: the tiles inside a compiled model on a GPU, else the
+    dense mask."""
     docs = document_ids(idx, bos_id)
-    flex = idx.is_cuda and torch.compiler.is_compiling()
-    return DocumentMask(docs, doc_block_mask(docs) if flex else None)
+    if idx.is_cuda and torch.compiler.is_compiling():
+        return DocumentMask(docs, doc_block_mask(docs), None)
+    return DocumentMask(docs, None, dense_doc_mask(docs))
+
+
+def dense_doc_mask(docs: torch.Tensor) -> torch.Tensor:
+    """bool [B, 1, T, T]: query t may attend key s where s <= t and both lie in one document."""
+    T = docs.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=docs.device).tril()
+    return (docs[:, None, :, None] == docs[:, None, None, :]) & causal
 
 
 def _indices(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,19 +96,19 @@ def doc_block_mask(docs: torch.Tensor, block: int = BLOCK) -> BlockMask:
 def doc_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask) -> torch.Tensor:
     """Causal GQA attention within documents: q [B, H, T, D], k/v [B, H_kv, T, D] -> [B, H, T, D]."""
     if mask.blocks is None:
-        return doc_causal_reference(q, k, v, mask.docs)
-    # FlexAttention is no autocast op (SDPA is): under autocast q and k may leave their norm in another dtype than v
-    q, k = q.to(v.dtype), k.to(v.dtype)
+        return doc_causal_reference(q, k, v, mask.dense)
+    # FlexAttention is no autocast op (SDPA is): under autocast q and k may leave their norm in another dtype than v.
+    # Contiguous inputs: q and k arrive as normed transposed views, a layout Inductor's FlexAttention lowering has
+    # mishandled on a CPU (torch 2.13); a copy is cheap beside the attention.
+    q, k, v = q.to(v.dtype).contiguous(), k.to(v.dtype).contiguous(), v.contiguous()
     return flex_attention(q, k, v, block_mask=mask.blocks, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def doc_causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
-    """The same through SDPA with the dense [B, 1, T, T] mask: every pair computed, then masked. The KV heads are
-    repeated for the query heads that read them (head h reads KV head h // (H / H_kv), as enable_gqa does): with a
-    mask, SDPA's GQA would fall back to its unfused math kernel on a GPU."""
-    T, group = q.shape[2], q.shape[1] // k.shape[1]
+def doc_causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The same through SDPA with the dense mask `allowed` (dense_doc_mask): every pair computed, then masked. The KV
+    heads are repeated for the query heads that read them (head h reads KV head h // (H / H_kv), as enable_gqa does):
+    with a mask, SDPA's GQA would fall back to its unfused math kernel on a GPU."""
+    group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    allowed = (docs[:, None, :, None] == docs[:, None, None, :]) & causal
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)

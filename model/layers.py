@@ -129,6 +129,9 @@ class Attention(nn.Module):
     and on the last cfg.value_embed_layers blocks a zero-initialized projection `value_proj` of the
     shared value embedding, added to V.
 
+    With cfg.doc_attention the forward's document mask (model/doc_attention.py) replaces the causal kernel: each token
+    attends within its own document.
+
     With cfg.attn_gate every head's output (after XSA) is scaled per token by sigmoid(W_h · u[:width]), u the
     sublayer's normed input: a head can switch itself off where it has nothing to add (Gated Attention,
     https://arxiv.org/abs/2505.06708; the parameter-golf records from 2026-04-16 on). W [n_heads, width] starts at

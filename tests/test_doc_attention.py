@@ -6,8 +6,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from model.config import ModelConfig
-from model.doc_attention import (BLOCK, doc_block_mask, doc_causal_attention, doc_causal_reference, document_ids,
-                                 document_mask)
+from model import doc_attention
+from model.doc_attention import (BLOCK, dense_doc_mask, doc_block_mask, doc_causal_attention, doc_causal_reference,
+                                 document_ids, document_mask)
 from model.features import BOS_ID
 from model.gpt import GPT
 from tests.test_model import randomize_
@@ -39,7 +40,7 @@ def test_document_ids_count_the_bos_tokens_so_far():
 def test_the_reference_is_causal_attention_run_on_each_document_alone():
     idx = ids_with_documents(2, 50)
     q, k, v = qkv(2, 50)
-    out = doc_causal_reference(q, k, v, document_ids(idx))
+    out = doc_causal_reference(q, k, v, dense_doc_mask(document_ids(idx)))
     for b in range(2):
         cuts = [0, *(t for t in range(1, 50) if idx[b, t] == BOS_ID), 50]
         for lo, hi in zip(cuts, cuts[1:]):
@@ -72,18 +73,25 @@ def test_the_tiles_hold_every_allowed_pair_and_full_tiles_only_allowed_ones(T, b
                     assert tile.all(), (b, i, j)
                 elif (b, i, j) not in partial:
                     assert not tile.any(), (b, i, j)  # a skipped tile has no pair of one document
-    # the tiles skip work wherever a row holds more than one document
-    assert docs < 2 or len(partial) + len(full) < 3 * sum(range(1, -(-T // block) + 1))
+    n = -(-T // block)
+    # the tiles skip work wherever a row holds more than one document; a row of one document needs no per-pair mask
+    # left of the diagonal
+    assert docs < 2 or len(partial) + len(full) < 3 * sum(range(1, n + 1))
+    assert docs > 0 or len(full) == 3 * n * (n - 1) // 2
 
 
 @pytest.mark.parametrize("T,block", [(300, 128), (77, 16)])
-def test_flex_attention_on_the_tiles_equals_the_reference(T, block):
-    """FlexAttention (its unfused forward here, on a CPU) on doc_block_mask's tiles computes the dense reference."""
+def test_compiled_flex_attention_on_the_tiles_equals_the_reference(T, block):
+    """FlexAttention compiled (on a CPU, forward only), which skips the tiles the mask leaves out and applies no
+    per-pair mask inside full ones, computes the dense reference: a wrong tile list changes the output. (Uncompiled,
+    FlexAttention applies the per-pair mask everywhere and would not notice.)"""
     idx = ids_with_documents(2, T, seed=3)
     q, k, v = qkv(2, T, seed=4)
     ids = document_ids(idx)
-    out = flex_attention(q, k, v, block_mask=doc_block_mask(ids, block), enable_gqa=True)
-    torch.testing.assert_close(out, doc_causal_reference(q, k, v, ids), atol=1e-5, rtol=1e-5)
+    flex = torch.compile(flex_attention, fullgraph=True)
+    with torch.no_grad():
+        out = flex(q, k, v, block_mask=doc_block_mask(ids, block), enable_gqa=True)
+    torch.testing.assert_close(out, doc_causal_reference(q, k, v, dense_doc_mask(ids)), atol=1e-5, rtol=1e-5)
 
 
 def doc_model(doc_attention: bool, **kw) -> GPT:
@@ -105,13 +113,13 @@ def test_a_document_is_scored_without_the_documents_before_it(kw):
     idx[0, 0], idx[0, 20] = BOS_ID, BOS_ID
     other = idx.clone()
     other[0, 1:20] = torch.randint(BOS_ID + 1, 64, (19,), generator=torch.Generator().manual_seed(9))
-    for doc_attention in (True, False):
-        model = doc_model(doc_attention, **kw)
+    for within in (True, False):
+        model = doc_model(within, **kw)
         model.recurrence_on = "recur_times" in kw
         with torch.no_grad():
             a, b = model(idx), model(other)
         moved = (a[0, 20:] - b[0, 20:]).abs().max().item()
-        assert (moved < 1e-5) if doc_attention else (moved > 1e-3), (doc_attention, moved)
+        assert (moved < 1e-5) if within else (moved > 1e-3), (within, moved)
         assert (a[0, 1:20] - b[0, 1:20]).abs().max().item() > 1e-3  # the changed document's own logits do move
 
 
@@ -124,7 +132,7 @@ def test_training_through_the_reference_has_gradients():
 
 
 def test_doc_attention_refuses_another_attention_backend():
-    with pytest.raises(ValueError, match="model.doc_attention=true runs FlexAttention"):
+    with pytest.raises(ValueError, match="model.doc_attention=true attends through a document mask"):
         ModelConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, doc_attention=True,
                     attention="sdpa").validate()
 
@@ -133,9 +141,10 @@ def test_doc_attention_refuses_another_attention_backend():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_compiled_flex_attention_matches_the_reference_forward_and_backward():
     """Compiled on a GPU (as training's step is) the mask is FlexAttention's tiles and its fused kernel runs, bf16,
-    forward and backward, at the training shape; uncompiled the reference runs."""
-    idx = ids_with_documents(2, 2048, vocab=8192, docs_per_row=3, seed=6).cuda()
-    q, k, v = (t.cuda().to(torch.bfloat16).requires_grad_() for t in qkv(2, 2048, H=8, H_kv=4, D=64, seed=7))
+    forward and backward, near the training shape (a length that leaves the last tile short); uncompiled the
+    reference runs."""
+    idx = ids_with_documents(2, 2047, vocab=8192, docs_per_row=3, seed=6).cuda()  # a last tile of 127 tokens
+    q, k, v = (t.cuda().to(torch.bfloat16).requires_grad_() for t in qkv(2, 2047, H=8, H_kv=4, D=64, seed=7))
     assert document_mask(idx).blocks is None  # eager: the reference
 
     def attend(q, k, v, idx):
@@ -144,7 +153,7 @@ def test_gpu_compiled_flex_attention_matches_the_reference_forward_and_backward(
         return doc_causal_attention(q, k, v, mask)
     out = torch.compile(attend, fullgraph=True)(q, k, v, idx)
     ref_inputs = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    ref = doc_causal_reference(*ref_inputs, document_ids(idx))
+    ref = doc_causal_reference(*ref_inputs, dense_doc_mask(document_ids(idx)))
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     g = torch.randn_like(ref)
     out.backward(g.to(out.dtype))
@@ -155,12 +164,19 @@ def test_gpu_compiled_flex_attention_matches_the_reference_forward_and_backward(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_compiled_model_with_doc_attention_matches_the_uncompiled_one():
-    """The training step's path: the whole model compiled under bf16 autocast (FlexAttention on the tiles) gives the
-    loss and gradients of the uncompiled model (the reference), with recurrence on and mHC streams."""
+def test_gpu_compiled_model_with_doc_attention_matches_the_uncompiled_one(monkeypatch):
+    """The training step's path: the whole model compiled under bf16 autocast (FlexAttention on the tiles, which the
+    trace must reach) gives the loss and gradients of the uncompiled model (the reference), with recurrence on, mHC
+    streams, and rows of 3 tiles, the last one short."""
+    traced = []
+
+    def counting_flex(*args, **kwargs):
+        traced.append(kwargs["block_mask"])
+        return flex_attention(*args, **kwargs)
+    monkeypatch.setattr(doc_attention, "flex_attention", counting_flex)
     model = doc_model(True, recur_start=2, recur_end=3, recur_times=2).cuda().train()
     model.recurrence_on = True
-    idx = ids_with_documents(4, 257, docs_per_row=3, seed=8).cuda()
+    idx = ids_with_documents(4, 301, docs_per_row=3, seed=8).cuda()
 
     def loss_and_grads(run):
         model.zero_grad(set_to_none=True)
@@ -169,7 +185,9 @@ def test_gpu_compiled_model_with_doc_attention_matches_the_uncompiled_one():
         loss.backward()
         return loss.detach().float(), [p.grad.detach().float().clone() for p in model.parameters()]
     ref_loss, ref_grads = loss_and_grads(model)
+    assert not traced  # uncompiled: the reference
     loss, grads = loss_and_grads(torch.compile(model))
+    assert traced  # compiled: FlexAttention
     torch.testing.assert_close(loss, ref_loss, atol=2e-2, rtol=2e-2)
     for got, want in zip(grads, ref_grads):
         scale = want.abs().max().clamp_min(1e-6)
