@@ -34,7 +34,6 @@ def document_ids(idx: torch.Tensor, bos_id: int = BOS_ID) -> torch.Tensor:
 
 
 class DocumentMask(NamedTuple):
-    docs: torch.Tensor                # int32 [B, T]: each token's document (document_ids)
     blocks: BlockMask | None          # FlexAttention's tiles when compiling for a GPU, else None
     dense: torch.Tensor | None        # bool [B, 1, T, T]: the pairs the reference may attend, where it runs
 
@@ -44,8 +43,8 @@ def document_mask(idx: torch.Tensor, bos_id: int = BOS_ID) -> DocumentMask:
     dense mask."""
     docs = document_ids(idx, bos_id)
     if idx.is_cuda and torch.compiler.is_compiling():
-        return DocumentMask(docs, doc_block_mask(docs), None)
-    return DocumentMask(docs, None, dense_doc_mask(docs))
+        return DocumentMask(doc_block_mask(docs), None)
+    return DocumentMask(None, dense_doc_mask(docs))
 
 
 def dense_doc_mask(docs: torch.Tensor) -> torch.Tensor:

@@ -157,7 +157,7 @@ class Attention(nn.Module):
         self.head_gate = nn.Parameter(torch.zeros(cfg.n_heads, self.gate_width)) if cfg.attn_gate else None
 
     def forward(self, u: torch.Tensor, value_embed: torch.Tensor | None = None, doc_mask=None) -> torch.Tensor:
-        """doc_mask: attend within documents (model/doc_attention.py's block mask of this forward's ids)."""
+        """doc_mask: attend within documents (model/doc_attention.py's DocumentMask of this forward's ids)."""
         B, T, C = u.shape
         kv_dim = self.n_kv_heads * self.head_dim
         q, k, v = self.qkv(u).split([C, kv_dim, kv_dim], dim=-1)
@@ -173,11 +173,11 @@ class Attention(nn.Module):
         cos, sin = self.rope(T)
         q = apply_partial_rotary(q, cos, sin, self.rotary_dims)
         k = apply_partial_rotary(k, cos, sin, self.rotary_dims)
-        half = q.dtype in (torch.bfloat16, torch.float16)
-        use_fa3 = self.fa3 is not None and (self.force_fa3 or (q.is_cuda and half))
         if doc_mask is not None:
             y = doc_causal_attention(q, k, v, doc_mask)
         else:
+            half = q.dtype in (torch.bfloat16, torch.float16)
+            use_fa3 = self.fa3 is not None and (self.force_fa3 or (q.is_cuda and half))
             y = causal_attention(q, k, v, self.fa3 if use_fa3 else None)
         if self.xsa:
             y = remove_self_value(y, v)

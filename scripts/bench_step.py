@@ -75,8 +75,7 @@ class RandomTokens:
     def __init__(self, batch_seqs: int, seq_len: int, vocab: int, device: torch.device, rank: int = 0,
                  doc_tokens: int = 0):
         g = torch.Generator().manual_seed(rank)  # each rank its own tokens, as a sharded loader gives
-        x = torch.randint(BOS_ID + 1, vocab, (batch_seqs, seq_len + 1), generator=g) if doc_tokens else \
-            torch.randint(0, vocab, (batch_seqs, seq_len + 1), generator=g)
+        x = torch.randint(BOS_ID + 1 if doc_tokens else 0, vocab, (batch_seqs, seq_len + 1), generator=g)
         if doc_tokens:
             x[torch.rand(x.shape, generator=g) < 1.0 / doc_tokens] = BOS_ID
         self.x = x.to(device)
