@@ -169,6 +169,9 @@ class ModelConfig:
             raise ValueError(f"model.doc_attention=true attends through a document mask (FlexAttention compiled, "
                              f"SDPA uncompiled), so model.attention={self.attention!r} would not be used (hint: leave "
                              "model.attention at 'auto')")
+        if self.doc_attention and self.head_dim < 16:
+            raise ValueError(f"model.doc_attention=true needs head_dim >= 16 (d_model / n_heads), got {self.head_dim}: "
+                             "FlexAttention's GPU kernel takes no narrower heads")
         if self.mhc_granularity not in MHC_GRANULARITIES:
             raise ValueError(f"model.mhc_granularity={self.mhc_granularity!r}: expected 'sublayer' (mHC around "
                              "every attention and MLP) or 'block' (around each block, half the stream traffic)")

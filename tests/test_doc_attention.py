@@ -99,7 +99,7 @@ def test_compiled_flex_attention_on_the_tiles_equals_the_reference(T, block):
 
 
 def doc_model(doc_attention: bool, **kw) -> GPT:
-    options = dict(vocab_size=64, n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, n_streams=2, mhc_blocks=2,
+    options = dict(vocab_size=64, n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, n_streams=2, mhc_blocks=2,
                    xsa_layers=2, unet_skips=True, smear_gate=True, bigram_buckets=32, bigram_dim=8,
                    value_embed_layers=2, value_embed_dim=8, rope_dims=4, doc_attention=doc_attention)
     cfg = ModelConfig(**{**options, **kw})
@@ -139,6 +139,12 @@ def test_doc_attention_refuses_another_attention_backend():
     with pytest.raises(ValueError, match="model.doc_attention=true attends through a document mask"):
         ModelConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, doc_attention=True,
                     attention="sdpa").validate()
+
+
+def test_doc_attention_refuses_heads_narrower_than_flex_attention_takes():
+    with pytest.raises(ValueError, match="needs head_dim >= 16 .* got 8"):
+        ModelConfig(vocab_size=64, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, doc_attention=True).validate()
+    ModelConfig(vocab_size=64, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, doc_attention=True).validate()
 
 
 @pytest.mark.gpu
