@@ -174,10 +174,13 @@ def test_gpu_compiled_flex_attention_matches_the_reference_forward_and_backward(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_compiled_model_with_doc_attention_matches_the_uncompiled_one(monkeypatch):
-    """The training step's path: the whole model compiled under bf16 autocast (FlexAttention on the tiles, which the
-    trace must reach) gives the loss and gradients of the uncompiled model (the reference), with recurrence on, mHC
-    streams, and rows of 3 tiles, the last one short."""
+@pytest.mark.parametrize("autocast", [False, True])
+def test_gpu_compiled_model_with_doc_attention_matches_the_uncompiled_one(monkeypatch, autocast):
+    """The training step's path: the whole model compiled (FlexAttention on the tiles, which the trace must reach)
+    gives the loss and gradients of the uncompiled model (the reference), with recurrence on, mHC streams, and rows of
+    3 tiles, the last one short. In fp32 they agree closely, so a tile the kernel skips or masks wrongly shows; under
+    bf16 autocast (training's precision, where q and k leave their norm in fp32) each gradient agrees to within bf16's
+    rounding of a deep model, measured as its relative L2 error."""
     traced = []
 
     def counting_flex(*args, **kwargs):
@@ -190,7 +193,7 @@ def test_gpu_compiled_model_with_doc_attention_matches_the_uncompiled_one(monkey
 
     def loss_and_grads(run):
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = run(idx[:, :-1], idx[:, 1:])
         loss.backward()
         return loss.detach().float(), [p.grad.detach().float().clone() for p in model.parameters()]
@@ -198,7 +201,9 @@ def test_gpu_compiled_model_with_doc_attention_matches_the_uncompiled_one(monkey
     assert not traced  # uncompiled: the reference
     loss, grads = loss_and_grads(torch.compile(model))
     assert traced  # compiled: FlexAttention
-    torch.testing.assert_close(loss, ref_loss, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(loss, ref_loss, atol=2e-2 if autocast else 1e-4, rtol=2e-2 if autocast else 1e-4)
     for got, want in zip(grads, ref_grads):
-        scale = want.abs().max().clamp_min(1e-6)
-        assert (got - want).abs().max() <= 0.05 * scale
+        if autocast:
+            assert (got - want).norm() <= 0.1 * want.norm().clamp_min(1e-6)
+        else:
+            assert (got - want).abs().max() <= 1e-3 * want.abs().max().clamp_min(1e-6)
