@@ -2,7 +2,7 @@
 
     python -m scripts.bench_step [--config configs/h100_short.toml] [--steps 30] [--warmup 5]
                                  [--variants config-kernels,n4-kernels,n4-ref,n1-kernels,n1-ref | all]
-                                 [--profile 3] [--recurrence on] [--doc-tokens 640]
+                                 [--profile 3] [--recurrence on] [--doc-tokens 640 | --tokens train]
                                  [override ...]
     torchrun --standalone --nproc_per_node=2 -m scripts.bench_step ... train.batch_tokens=196608
 
@@ -15,7 +15,9 @@ broken down by kernel category and by kernel (training/step_profile.py), printed
 With depth recurrence (model.recur_times > 1) a run steps in two phases; --recurrence on times the second, the
 repeated blocks on (MFU then counts their extra passes), where the default times the first. Attention within
 documents (model.doc_attention) costs what the documents' lengths make it: --doc-tokens N gives the random tokens
-documents of mean length N.
+documents of mean length N, and --tokens train steps on the first batch the training loader gives from
+data.train_files, so on the corpus's own documents (real lengths are skewed: most tokens sit in documents longer than
+the mean).
 
 Under torchrun every rank runs the same step as train.py does: gradient averaging and sharded Muon.
 tokens/s is the global rate. train.batch_tokens is the global batch, so pass N x 98,304 to keep each
@@ -33,6 +35,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 from model.features import BOS_ID
+from data.loader import TokenLoader
+from data.shards import list_shards
 from model.gpt import GPT
 from training.step_profile import format_tables, profile_steps
 from training.config import Config, ConfigError, load_config
@@ -84,8 +88,29 @@ class RandomTokens:
         return self.x[:, :-1], self.x[:, 1:]
 
 
+class TrainTokens:
+    """The first batch the training loader gives this rank from data.train_files (train.seed's order), held on the
+    device and given at every step: the corpus's own documents, without timing the loader."""
+
+    def __init__(self, cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1):
+        with TokenLoader(list_shards(cfg.data.train_files), cfg.data.seq_len, cfg.train.micro_batch_seqs, rank=rank,
+                         world_size=world_size, seed=cfg.train.seed, shards_per_batch=cfg.data.shards_per_batch,
+                         prefetch=1, device=device, vocab_size=cfg.model.vocab_size) as loader:
+            self.x, self.y = loader.next_batch()
+
+    def next_batch(self):
+        return self.x, self.y
+
+
+def step_tokens(cfg: Config, device: torch.device, dist: DistInfo, tokens: str, doc_tokens: int):
+    if tokens == "train":
+        return TrainTokens(cfg, device, dist.rank, dist.world_size)
+    return RandomTokens(cfg.train.micro_batch_seqs, cfg.data.seq_len, cfg.model.vocab_size, device, dist.rank,
+                        doc_tokens)
+
+
 def bench_variant(cfg: Config, steps: int, warmup: int, dist: DistInfo, profile: int = 0,
-                  recurrence: bool = False, doc_tokens: int = 0) -> dict:
+                  recurrence: bool = False, doc_tokens: int = 0, tokens: str = "random") -> dict:
     """recurrence: time the step of depth recurrence's second phase (the repeated blocks on), which a run of a
     config with model.recur_times > 1 takes from model.recur_at on, instead of the first."""
     device = dist.device
@@ -94,8 +119,7 @@ def bench_variant(cfg: Config, steps: int, warmup: int, dist: DistInfo, profile:
     model.recurrence_on = recurrence
     opts = build_optimizers(model.param_groups(), cfg.optim, model.qkv_splits())
     step_model = torch.compile(model) if cfg.train.compile else model
-    loader = RandomTokens(cfg.train.micro_batch_seqs, cfg.data.seq_len, cfg.model.vocab_size, device, dist.rank,
-                          doc_tokens)
+    loader = step_tokens(cfg, device, dist, tokens, doc_tokens)
     accum = grad_accum_steps(cfg, dist.world_size)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
@@ -140,6 +164,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--doc-tokens", type=int, default=0, metavar="N",
                    help="random documents of mean length N tokens (a BOS at each position with probability 1/N; the "
                         "shared sp8192 train mix averages ~640), for model.doc_attention; 0: uniform ids")
+    p.add_argument("--tokens", choices=("random", "train"), default="random",
+                   help="train: step on the first batch the training loader gives from data.train_files (the "
+                        "corpus's own documents); random: random ids (see --doc-tokens)")
     p.add_argument("overrides", nargs="*",
                    help="section.key=value applied to every variant, after the variant's own (so they win)")
     a = p.parse_args(argv)
@@ -149,6 +176,9 @@ def main(argv=None) -> list[dict]:
         p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     if a.doc_tokens < 0 or a.doc_tokens == 1:
         p.error(f"--doc-tokens {a.doc_tokens}: the mean document length must be 0 (uniform ids) or at least 2")
+    if a.tokens == "train" and a.doc_tokens:
+        p.error("--doc-tokens shapes random tokens; with --tokens train the documents are the corpus's own (hint: "
+                "leave one of them out)")
     if a.profile < 0 or a.steps < 1 or a.warmup < 0:
         p.error(f"need --steps >= 1, --warmup >= 0 and --profile >= 0, got {a.steps}, {a.warmup} and {a.profile}")
     try:  # every variant's config before the first one compiles (an override may not suit them all)
@@ -158,6 +188,12 @@ def main(argv=None) -> list[dict]:
     if a.recurrence == "on" and (flat := [n for n, cfg in zip(names, configs) if cfg.model.recur_times == 1]):
         p.error(f"--recurrence on: variants {flat} have no depth recurrence (model.recur_times=1; hint: a config with "
                 "recurrence, such as configs/h100_sp8192_recur.toml, or model.recur_start/recur_end/recur_times)")
+    if a.tokens == "train":  # a missing or broken shard fails here, before any variant compiles
+        try:
+            for cfg in configs:
+                list_shards(cfg.data.train_files)
+        except (OSError, ValueError) as e:
+            p.error(f"--tokens train: data.train_files: {e}")
     if a.warmup == 0 and any(cfg.train.compile for cfg in configs):  # compilation would land in the timed steps
         p.error("--warmup 0 with train.compile=true times torch.compile's first step as a training step "
                 "(hint: --warmup 1 or more, or train.compile=false)")
@@ -173,7 +209,7 @@ def main(argv=None) -> list[dict]:
     print0("|---|---|---|---|---|---|---|---|---|")
     try:
         for name, cfg in zip(names, configs):
-            r = bench_variant(cfg, a.steps, a.warmup, dist, a.profile, a.recurrence == "on", a.doc_tokens)
+            r = bench_variant(cfg, a.steps, a.warmup, dist, a.profile, a.recurrence == "on", a.doc_tokens, a.tokens)
             rows.append({"variant": name, "recurrence": a.recurrence, **r})
             label = f"{name} (recurrence on)" if a.recurrence == "on" else name
             print0(f"| {label} | {r['ranks']} | {r['params']:,} | {r['ms_step']:.1f} | {r['tok_s']:,.0f} | "

@@ -72,7 +72,7 @@ def test_named_variants_fix_the_mhc_layout_and_overrides_win():
 def test_main_benchmarks_each_variant_with_the_overrides_last(monkeypatch, capsys):
     seen = []
 
-    def fake_bench(cfg, steps, warmup, dist, profile, recurrence, doc_tokens):
+    def fake_bench(cfg, steps, warmup, dist, profile, recurrence, doc_tokens, tokens):
         seen.append((cfg.model.n_streams, cfg.model.mhc_blocks, cfg.model.mhc_kernels, cfg.train.device))
         return dict(ranks=1, params=1, ms_step=1.0, tok_s=1.0, mfu=0.0, peak_gib=0.0, warmup_s=0.0, loss=0.0,
                     profile=None)
@@ -160,7 +160,7 @@ def test_random_tokens_hold_documents_of_the_mean_length_asked_for():
 def test_doc_tokens_reach_every_variant_and_bad_lengths_are_refused(monkeypatch, capsys):
     seen = []
 
-    def fake_bench(cfg, steps, warmup, dist, profile, recurrence, doc_tokens):
+    def fake_bench(cfg, steps, warmup, dist, profile, recurrence, doc_tokens, tokens):
         seen.append(doc_tokens)
         return dict(ranks=1, params=1, ms_step=1.0, tok_s=1.0, mfu=0.0, peak_gib=0.0, warmup_s=0.0, loss=0.0,
                     profile=None)
@@ -172,3 +172,43 @@ def test_doc_tokens_reach_every_variant_and_bad_lengths_are_refused(monkeypatch,
         with pytest.raises(SystemExit):
             bench_step.main(["--config", demo, "--variants", "n1-ref", "--doc-tokens", bad])
         assert f"--doc-tokens {bad}: the mean document length must be 0" in capsys.readouterr().err
+
+
+def test_train_tokens_are_the_training_loaders_first_batch_at_every_step(demo_dir, monkeypatch, capsys):
+    """--tokens train: every step (warm-up, timed) gets the batch the training loader gives first from
+    data.train_files, so the documents are the corpus's own."""
+    from data.loader import TokenLoader
+    from data.shards import list_shards
+    data = [f"data.train_files={demo_dir}/fineweb_train_*.bin", f"data.tokenizer={demo_dir}/tokenizer.model"]
+    demo = str(bench_step.REPO / "configs/demo.toml")
+    cfg = bench_step.load_config(demo, [*TINY, *data, "train.device=cpu"])
+    with TokenLoader(list_shards(cfg.data.train_files), cfg.data.seq_len, cfg.train.micro_batch_seqs,
+                     seed=cfg.train.seed, shards_per_batch=cfg.data.shards_per_batch, prefetch=1,
+                     vocab_size=cfg.model.vocab_size) as loader:
+        first, _ = loader.next_batch()
+        second, _ = loader.next_batch()
+    assert not torch.equal(first, second)  # so a loader that moved on would show
+    batches = []
+    real_step = bench_step.train_step
+
+    def recording_step(step_model, loader, *args):
+        batches.append(loader.next_batch()[0].clone())
+        return real_step(step_model, loader, *args)
+    monkeypatch.setattr(bench_step, "train_step", recording_step)
+    rows = bench_step.main(["--config", demo, "--steps", "2", "--warmup", "1", "--variants", "n1-ref", "--tokens",
+                            "train", *TINY, *data, "train.device=cpu"])
+    assert len(batches) == 3 and all(torch.equal(b, first) for b in batches)
+    assert math.isfinite(rows[0]["loss"])
+
+
+def test_train_tokens_refuse_doc_tokens_and_missing_shards(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_step, "bench_variant", lambda *a, **k: pytest.fail("a variant ran"))
+    demo = str(bench_step.REPO / "configs/demo.toml")
+    with pytest.raises(SystemExit):
+        bench_step.main(["--config", demo, "--variants", "n1-ref", "--tokens", "train", "--doc-tokens", "640"])
+    assert "--doc-tokens shapes random tokens; with --tokens train" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_step.main(["--config", demo, "--variants", "n1-ref", "--tokens", "train",
+                         f"data.train_files={tmp_path}/none_*.bin"])
+    err = capsys.readouterr().err
+    assert "--tokens train: data.train_files: no shard files match" in err and "none_*.bin" in err
