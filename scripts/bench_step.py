@@ -34,9 +34,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
-from model.features import BOS_ID
 from data.loader import TokenLoader
 from data.shards import list_shards
+from model.features import BOS_ID
 from model.gpt import GPT
 from training.step_profile import format_tables, profile_steps
 from training.config import Config, ConfigError, load_config
@@ -188,10 +188,10 @@ def main(argv=None) -> list[dict]:
     if a.recurrence == "on" and (flat := [n for n, cfg in zip(names, configs) if cfg.model.recur_times == 1]):
         p.error(f"--recurrence on: variants {flat} have no depth recurrence (model.recur_times=1; hint: a config with "
                 "recurrence, such as configs/h100_sp8192_recur.toml, or model.recur_start/recur_end/recur_times)")
-    if a.tokens == "train":  # a missing or broken shard fails here, before any variant compiles
+    if a.tokens == "train":  # missing, broken or too short shards fail here, before any variant compiles
         try:
             for cfg in configs:
-                list_shards(cfg.data.train_files)
+                TrainTokens(cfg, torch.device("cpu"))
         except (OSError, ValueError) as e:
             p.error(f"--tokens train: data.train_files: {e}")
     if a.warmup == 0 and any(cfg.train.compile for cfg in configs):  # compilation would land in the timed steps

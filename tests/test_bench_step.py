@@ -201,7 +201,7 @@ def test_train_tokens_are_the_training_loaders_first_batch_at_every_step(demo_di
     assert math.isfinite(rows[0]["loss"])
 
 
-def test_train_tokens_refuse_doc_tokens_and_missing_shards(tmp_path, monkeypatch, capsys):
+def test_train_tokens_refuse_doc_tokens_and_missing_or_short_shards(demo_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench_step, "bench_variant", lambda *a, **k: pytest.fail("a variant ran"))
     demo = str(bench_step.REPO / "configs/demo.toml")
     with pytest.raises(SystemExit):
@@ -212,3 +212,8 @@ def test_train_tokens_refuse_doc_tokens_and_missing_shards(tmp_path, monkeypatch
                          f"data.train_files={tmp_path}/none_*.bin"])
     err = capsys.readouterr().err
     assert "--tokens train: data.train_files: no shard files match" in err and "none_*.bin" in err
+    with pytest.raises(SystemExit):  # shards too short for one sequence
+        bench_step.main(["--config", demo, "--variants", "n1-ref", "--tokens", "train",
+                         f"data.train_files={demo_dir}/fineweb_train_*.bin", "data.seq_len=10000000",
+                         "train.batch_tokens=10000000", "train.micro_batch_seqs=1"])
+    assert "--tokens train: data.train_files: TokenLoader:" in capsys.readouterr().err
