@@ -171,7 +171,8 @@ class ModelConfig:
                              "model.attention at 'auto')")
         if self.doc_attention and self.head_dim < 16:
             raise ValueError(f"model.doc_attention=true needs head_dim >= 16 (d_model / n_heads), got {self.head_dim}: "
-                             "FlexAttention's GPU kernel takes no narrower heads")
+                             "FlexAttention's GPU kernel takes no narrower heads (hint: fewer heads or a wider "
+                             "d_model)")
         if self.mhc_granularity not in MHC_GRANULARITIES:
             raise ValueError(f"model.mhc_granularity={self.mhc_granularity!r}: expected 'sublayer' (mHC around "
                              "every attention and MLP) or 'block' (around each block, half the stream traffic)")

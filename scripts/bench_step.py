@@ -9,7 +9,8 @@
 Each variant builds the config's model with a named mHC layout (config-kernels: the config's own; n4, n2:
 streams on every sublayer; n4-block, n2-block: around whole blocks; n1: none) and the Triton kernels on
 or off, compiles the step like train.py (train.compile), and times `--steps` optimizer steps on
-random tokens after `--warmup` steps (compilation happens there). Prints a markdown table.
+one batch held on the device (random tokens, or with --tokens train the training loader's first) after `--warmup`
+steps (compilation happens there). Prints a markdown table.
 With --profile K, K more steps of each variant run under torch.profiler and the device time is
 broken down by kernel category and by kernel (training/step_profile.py), printed after the table.
 With depth recurrence (model.recur_times > 1) a run steps in two phases; --recurrence on times the second, the
@@ -26,6 +27,7 @@ GPU's share of the one-GPU step; the ratio to the one-GPU row is then the scalin
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -93,13 +95,24 @@ class TrainTokens:
     device and given at every step: the corpus's own documents, without timing the loader."""
 
     def __init__(self, cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1):
+        # prefetch=0: no thread, so a shard's error reaches the caller as raised
         with TokenLoader(list_shards(cfg.data.train_files), cfg.data.seq_len, cfg.train.micro_batch_seqs, rank=rank,
                          world_size=world_size, seed=cfg.train.seed, shards_per_batch=cfg.data.shards_per_batch,
-                         prefetch=1, device=device, vocab_size=cfg.model.vocab_size) as loader:
+                         prefetch=0, device=device, vocab_size=cfg.model.vocab_size) as loader:
             self.x, self.y = loader.next_batch()
 
     def next_batch(self):
         return self.x, self.y
+
+
+def torchrun_rank_world() -> tuple[int, int]:
+    """This process's rank and the world size as torchrun sets them (init_distributed reads the same variables), for
+    checks made before the process group exists; 0 and 1 without torchrun or where they are malformed (init_distributed
+    then names the variable)."""
+    try:
+        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    except ValueError:
+        return 0, 1
 
 
 def step_tokens(cfg: Config, device: torch.device, dist: DistInfo, tokens: str, doc_tokens: int):
@@ -189,9 +202,9 @@ def main(argv=None) -> list[dict]:
         p.error(f"--recurrence on: variants {flat} have no depth recurrence (model.recur_times=1; hint: a config with "
                 "recurrence, such as configs/h100_sp8192_recur.toml, or model.recur_start/recur_end/recur_times)")
     if a.tokens == "train":  # missing, broken or too short shards fail here, before any variant compiles
-        try:
+        try:  # this rank's own batch, as bench_variant will load it: too few sequences for the ranks fail here too
             for cfg in configs:
-                TrainTokens(cfg, torch.device("cpu"))
+                TrainTokens(cfg, torch.device("cpu"), *torchrun_rank_world())
         except (OSError, ValueError) as e:
             p.error(f"--tokens train: data.train_files: {e}")
     if a.warmup == 0 and any(cfg.train.compile for cfg in configs):  # compilation would land in the timed steps

@@ -199,6 +199,13 @@ def test_train_tokens_are_the_training_loaders_first_batch_at_every_step(demo_di
                             "train", *TINY, *data, "train.device=cpu"])
     assert len(batches) == 3 and all(torch.equal(b, first) for b in batches)
     assert math.isfinite(rows[0]["loss"])
+    # under torchrun each rank steps on its own share, as the training loader gives it
+    with TokenLoader(list_shards(cfg.data.train_files), cfg.data.seq_len, cfg.train.micro_batch_seqs, rank=1,
+                     world_size=2, seed=cfg.train.seed, shards_per_batch=cfg.data.shards_per_batch, prefetch=1,
+                     vocab_size=cfg.model.vocab_size) as loader:
+        rank1, _ = loader.next_batch()
+    x1 = bench_step.TrainTokens(cfg, torch.device("cpu"), rank=1, world_size=2).x
+    assert torch.equal(x1, rank1) and not torch.equal(x1, bench_step.TrainTokens(cfg, torch.device("cpu")).x)
 
 
 def test_train_tokens_refuse_doc_tokens_and_missing_or_short_shards(demo_dir, tmp_path, monkeypatch, capsys):
@@ -217,3 +224,10 @@ def test_train_tokens_refuse_doc_tokens_and_missing_or_short_shards(demo_dir, tm
                          f"data.train_files={demo_dir}/fineweb_train_*.bin", "data.seq_len=10000000",
                          "train.batch_tokens=10000000", "train.micro_batch_seqs=1"])
     assert "--tokens train: data.train_files: TokenLoader:" in capsys.readouterr().err
+    # under torchrun (before its process group exists) the check loads this rank's share among all the ranks
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "100000")
+    with pytest.raises(SystemExit):
+        bench_step.main(["--config", demo, "--variants", "n1-ref", "--tokens", "train", *TINY,
+                         f"data.train_files={demo_dir}/fineweb_train_*.bin"])
+    assert "fewer than world_size 100000" in capsys.readouterr().err

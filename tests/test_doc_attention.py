@@ -174,13 +174,13 @@ def test_gpu_compiled_flex_attention_matches_the_reference_forward_and_backward(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("autocast", [False, True])
-def test_gpu_compiled_model_with_doc_attention_matches_the_uncompiled_one(monkeypatch, autocast):
+def test_gpu_compiled_model_with_doc_attention_matches_the_uncompiled_one(monkeypatch):
     """The training step's path: the whole model compiled (FlexAttention on the tiles, which the trace must reach)
-    gives the loss and gradients of the uncompiled model (the reference), with recurrence on, mHC streams, and rows of
-    3 tiles, the last one short. In fp32 they agree closely, so a tile the kernel skips or masks wrongly shows; under
-    bf16 autocast (training's precision, where q and k leave their norm in fp32) each gradient agrees to within bf16's
-    rounding of a deep model, measured as its relative L2 error."""
+    gives the loss and gradients of the uncompiled model (the reference), with recurrence on, mHC streams, rows of 3
+    tiles with the last one short, and one row a single document (so full tiles too). In fp32 they agree closely, so a
+    tile the kernel skips or masks wrongly shows. Under bf16 autocast (training's precision, where q and k leave their
+    norm in fp32) each gradient's error against the fp32 reference is at most what the uncompiled model's own bf16
+    rounding gives it (3x, plus 1% of the gradient: a 4-element gradient's rounding error is itself noisy)."""
     traced = []
 
     def counting_flex(*args, **kwargs):
@@ -189,21 +189,30 @@ def test_gpu_compiled_model_with_doc_attention_matches_the_uncompiled_one(monkey
     monkeypatch.setattr(doc_attention, "flex_attention", counting_flex)
     model = doc_model(True, recur_start=2, recur_end=3, recur_times=2).cuda().train()
     model.recurrence_on = True
-    idx = ids_with_documents(4, 301, docs_per_row=3, seed=8).cuda()
+    idx = ids_with_documents(4, 301, docs_per_row=3, seed=8)
+    assert idx[0, 0] == BOS_ID  # row 0 becomes one document, from its BOS at 0 to the end
+    idx[0, 1:] = torch.randint(BOS_ID + 1, 64, (300,), generator=torch.Generator().manual_seed(9))
+    idx = idx.cuda()
 
-    def loss_and_grads(run):
+    def loss_and_grads(run, autocast):
         model.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = run(idx[:, :-1], idx[:, 1:])
         loss.backward()
         return loss.detach().float(), [p.grad.detach().float().clone() for p in model.parameters()]
-    ref_loss, ref_grads = loss_and_grads(model)
+    names = [name for name, _ in model.named_parameters()]
+    ref_loss, ref_grads = loss_and_grads(model, False)
+    eager_loss, eager_grads = loss_and_grads(model, True)
     assert not traced  # uncompiled: the reference
-    loss, grads = loss_and_grads(torch.compile(model))
+    compiled = torch.compile(model)
+    loss, grads = loss_and_grads(compiled, False)
     assert traced  # compiled: FlexAttention
-    torch.testing.assert_close(loss, ref_loss, atol=2e-2 if autocast else 1e-4, rtol=2e-2 if autocast else 1e-4)
-    for got, want in zip(grads, ref_grads):
-        if autocast:
-            assert (got - want).norm() <= 0.1 * want.norm().clamp_min(1e-6)
-        else:
-            assert (got - want).abs().max() <= 1e-3 * want.abs().max().clamp_min(1e-6)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-4, rtol=1e-4)
+    far = [n for n, got, want in zip(names, grads, ref_grads)
+           if (got - want).abs().max() > 1e-3 * want.abs().max().clamp_min(1e-6)]
+    assert not far, f"fp32: compiled gradients off the reference: {far}"
+    loss, grads = loss_and_grads(compiled, True)
+    assert (loss - ref_loss).abs() <= 3 * (eager_loss - ref_loss).abs() + 1e-3 * ref_loss.abs()
+    far = [n for n, got, eager, want in zip(names, grads, eager_grads, ref_grads)
+           if (got - want).norm() > 3 * (eager - want).norm() + 0.01 * want.norm()]
+    assert not far, f"bf16: compiled gradients further off the fp32 reference than bf16 rounding: {far}"
