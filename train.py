@@ -40,7 +40,7 @@ from training.export import ARTIFACT_CODEC, artifact_budget, export_model
 from training.optim import build_optimizers
 from training.run_log import RunLog, check_writable_dir, git_commit, log_path, maybe_wandb, require_wandb, versions
 from training.shipped_code import code_digest
-from training.trainer import grad_accum_steps, run_training, train_step
+from training.trainer import grad_accum_steps, run_training, train_step, training_loader
 from training.ttt import TTT_KEYS
 from training.validation import Validation, load_validation
 
@@ -157,10 +157,7 @@ def start_run(cfg: Config, dist, log, val: Validation, train_files: list[str], r
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model {n_params:,} parameters")
     try:  # the same on every rank: a refusal (too little data for the ranks) stops them all
-        loader = TokenLoader(train_files, cfg.data.seq_len, cfg.train.micro_batch_seqs,
-                             rank=dist.rank, world_size=dist.world_size, seed=cfg.train.seed,
-                             shards_per_batch=cfg.data.shards_per_batch, prefetch=cfg.data.prefetch, device=device,
-                             vocab_size=cfg.model.vocab_size)
+        loader = training_loader(cfg, train_files, dist.rank, dist.world_size, device)
     except ValueError as e:
         raise ConfigError(f"data.train_files: {e}") from None
     for shard, n in loader.skipped:

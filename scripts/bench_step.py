@@ -27,7 +27,6 @@ GPU's share of the one-GPU step; the ratio to the one-GPU row is then the scalin
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,15 +35,14 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
-from data.loader import TokenLoader
 from data.shards import list_shards
 from model.features import BOS_ID
 from model.gpt import GPT
 from training.step_profile import format_tables, profile_steps
 from training.config import Config, ConfigError, load_config
-from training.distributed import DistInfo, destroy, init_distributed, print0
+from training.distributed import DistInfo, destroy, init_distributed, print0, torchrun_rank_world
 from training.optim import build_optimizers
-from training.trainer import grad_accum_steps, peak_flops, train_step, training_flops_per_token
+from training.trainer import grad_accum_steps, peak_flops, train_step, training_flops_per_token, training_loader
 
 # Each named variant fixes the whole mHC layout (streams, granularity, mHC blocks), so it means the same on
 # any config; "config-kernels" keeps the config's own layout (the recipe as shipped) with every kernel on.
@@ -96,23 +94,11 @@ class TrainTokens:
 
     def __init__(self, cfg: Config, device: torch.device, rank: int = 0, world_size: int = 1):
         # prefetch=0: no thread, so a shard's error reaches the caller as raised
-        with TokenLoader(list_shards(cfg.data.train_files), cfg.data.seq_len, cfg.train.micro_batch_seqs, rank=rank,
-                         world_size=world_size, seed=cfg.train.seed, shards_per_batch=cfg.data.shards_per_batch,
-                         prefetch=0, device=device, vocab_size=cfg.model.vocab_size) as loader:
+        with training_loader(cfg, list_shards(cfg.data.train_files), rank, world_size, device, prefetch=0) as loader:
             self.x, self.y = loader.next_batch()
 
     def next_batch(self):
         return self.x, self.y
-
-
-def torchrun_rank_world() -> tuple[int, int]:
-    """This process's rank and the world size as torchrun sets them (init_distributed reads the same variables), for
-    checks made before the process group exists; 0 and 1 without torchrun or where they are malformed (init_distributed
-    then names the variable)."""
-    try:
-        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    except ValueError:
-        return 0, 1
 
 
 def step_tokens(cfg: Config, device: torch.device, dist: DistInfo, tokens: str, doc_tokens: int):

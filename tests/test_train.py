@@ -38,12 +38,13 @@ def test_train_end_to_end_writes_log_artifact_and_final_json(demo_dir, tmp_path,
     wandb = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", wandb)
     monkeypatch.delenv("WANDB_PROJECT", raising=False)  # it would override train.wandb_project
-    loaders, real_loader = [], train.TokenLoader
+    from training import trainer
+    loaders, real_loader = [], trainer.TokenLoader
 
     def spy_loader(*args, **kw):
         loaders.append(kw)
         return real_loader(*args, **kw)
-    monkeypatch.setattr(train, "TokenLoader", spy_loader)
+    monkeypatch.setattr(trainer, "TokenLoader", spy_loader)  # train.py's loader comes from trainer.training_loader
     final = train.main(["--config", str(REPO / "configs/demo.toml"), *tiny_overrides(demo_dir, tmp_path),
                         "quant.scheme=rank", "quant.phi_bits=5", "train.time_budget_s=600",  # steps end it
                         "quant.calib_reserve_s=30",

@@ -42,6 +42,16 @@ def _env_int(name: str) -> int:
         raise ValueError(f"environment variable {name}={value!r}: expected an integer (set by torchrun)") from None
 
 
+def torchrun_rank_world() -> tuple[int, int]:
+    """This process's rank and the world size as torchrun sets them (the variables init_distributed reads), for checks
+    made before the process group exists; 0 and 1 without torchrun or where they are malformed (init_distributed then
+    names the variable)."""
+    try:
+        return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    except ValueError:
+        return 0, 1
+
+
 def init_distributed(device: str = "auto") -> DistInfo:
     """Join the process group described by torchrun's RANK / LOCAL_RANK / WORLD_SIZE (+ MASTER_ADDR/PORT),
     or run as a single process when none is set. device: auto | cpu | cuda (train.device).

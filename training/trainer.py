@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from data.loader import TokenLoader
 from training.checkpoint import Checkpointer, Resumed
 from training.config import Config, grad_accum_steps
 from training.distributed import DistInfo, RankAgreement, all_reduce_mean, optimizer_step
@@ -32,6 +33,16 @@ class TrainResult:
     train_time_s: float
     tokens: int
     stopped_by: str            # "max_steps" | "time_budget" | "signal"
+
+
+def training_loader(cfg: Config, files: list[str], rank: int = 0, world_size: int = 1,
+                    device: str | torch.device = "cpu", prefetch: int | None = None) -> TokenLoader:
+    """The loader a run trains on: this rank's share of `files` in train.seed's order (prefetch: data.prefetch
+    unless given; 0 loads in the caller's thread)."""
+    return TokenLoader(files, cfg.data.seq_len, cfg.train.micro_batch_seqs, rank=rank, world_size=world_size,
+                       seed=cfg.train.seed, shards_per_batch=cfg.data.shards_per_batch,
+                       prefetch=cfg.data.prefetch if prefetch is None else prefetch, device=device,
+                       vocab_size=cfg.model.vocab_size)
 
 
 def autocast_for(device: torch.device):
