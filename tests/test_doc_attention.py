@@ -179,8 +179,10 @@ def test_gpu_compiled_model_with_doc_attention_matches_the_uncompiled_one(monkey
     gives the loss and gradients of the uncompiled model (the reference), with recurrence on, mHC streams, rows of 3
     tiles with the last one short, and one row a single document (so full tiles too). In fp32 they agree closely, so a
     tile the kernel skips or masks wrongly shows. Under bf16 autocast (training's precision, where q and k leave their
-    norm in fp32) each gradient's error against the fp32 reference is at most what the uncompiled model's own bf16
-    rounding gives it (3x, plus 1% of the gradient: a 4-element gradient's rounding error is itself noisy)."""
+    norm in fp32) the gradients' error against the fp32 reference is at most what the uncompiled model's own bf16
+    rounding gives them (3x, plus 1%): all of them together, and each of at least 1,024 elements. A smaller one's
+    rounding error is a sum of few terms that can cancel by chance, so against it a sound kernel fails at random;
+    the fp32 check covers those."""
     traced = []
 
     def counting_flex(*args, **kwargs):
@@ -213,6 +215,11 @@ def test_gpu_compiled_model_with_doc_attention_matches_the_uncompiled_one(monkey
     assert not far, f"fp32: compiled gradients off the reference: {far}"
     loss, grads = loss_and_grads(compiled, True)
     assert (loss - ref_loss).abs() <= 3 * (eager_loss - ref_loss).abs() + 1e-3 * ref_loss.abs()
-    far = [n for n, got, eager, want in zip(names, grads, eager_grads, ref_grads)
-           if (got - want).norm() > 3 * (eager - want).norm() + 0.01 * want.norm()]
-    assert not far, f"bf16: compiled gradients further off the fp32 reference than bf16 rounding: {far}"
+    def beyond_rounding(got, eager, want):  # the error, as a multiple of what bf16 rounding allows
+        return ((got - want).norm() / (3 * (eager - want).norm() + 0.01 * want.norm())).item()
+    flat = [torch.cat([t.flatten() for t in ts]) for ts in (grads, eager_grads, ref_grads)]
+    assert beyond_rounding(*flat) <= 1, f"bf16: all gradients together {beyond_rounding(*flat):.2f}x the bound"
+    far = {n: round(beyond_rounding(got, eager, want), 2) for n, got, eager, want
+           in zip(names, grads, eager_grads, ref_grads) if want.numel() >= 1024}
+    far = {n: r for n, r in far.items() if r > 1}
+    assert not far, f"bf16: compiled gradients further off the fp32 reference than bf16 rounding (x bound): {far}"
