@@ -6,7 +6,7 @@ from scripts import bench_step
 from training import step_profile
 from training.step_profile import OTHER, category, format_tables, summarize
 
-# Kernel names as an H100 trace of the compiled step shows them (torch 2.11, triton 3.6).
+# Kernel names as H100 and H200 traces of the compiled step show them (torch 2.11, triton 3.6).
 NAMES = {
     "coef_premix_kernel": "mHC Triton kernels",
     "stream_bwd_kernel": "mHC Triton kernels",
@@ -18,6 +18,10 @@ NAMES = {
     "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>": "attention",
     "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "inductor fused (triton_*)",
     "triton_tem_fused_mm_0": "GEMM (cuBLAS/CUTLASS, inductor templates)",  # inductor's GEMM template
+    # FlexAttention's forward and backward (model.doc_attention): Inductor templates too, but attention
+    "triton_tem_fused_flex_attention_15": "attention",
+    "triton_tem_fused__to_copy_add_clamp_min_div_expand_flex_attention_backward_mul_transpose_u": "attention",
+    "triton_per_fused__scaled_dot_product_cudnn_attention_backward__to_copy_add_clamp_min_div_e": "inductor fused (triton_*)",
     "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL": "NCCL",
     "Memcpy DtoD (Device -> Device)": "copy / fill",
     "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "copy / fill",
@@ -43,6 +47,16 @@ def test_tables_are_per_step_largest_first_and_shares_sum_to_one():
     text = format_tables("n4-kernels", 6.0, cats, kernels)
     assert "5.0 ms of device time per step in 6.0 ms" in text and "| mHC Triton kernels | 2.00 | 40.0% |" in text
 
+
+
+def test_flex_attention_and_sdpa_kernels_add_up_in_one_attention_row():
+    """Two patterns name attention (FlexAttention's templates before the GEMM rule, the fixed kernels after it):
+    the category table still has one attention row, their sum."""
+    times = [("triton_tem_fused_flex_attention_15", 3000.0, 2), ("pytorch_flash::flash_fwd_kernel", 1000.0, 2),
+             ("triton_tem_fused_mm_0", 2000.0, 2)]
+    cats, _ = summarize(times, steps=2)
+    assert cats == [("attention", 2.0, pytest.approx(4 / 6)),
+                    ("GEMM (cuBLAS/CUTLASS, inductor templates)", 1.0, pytest.approx(2 / 6))]
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -22,6 +22,8 @@ import torch
 CATEGORIES = (  # (label, pattern searched in the kernel name); on the CPU the custom ops mhcgolf::*
     ("mHC Triton kernels", r"\b(coef_premix|stream_bwd|coef_bwd|premix_grad|dphi|apply)_kernel\b|mhcgolf(::|_)mhc_"),
     ("MLP Triton GEMM", r"mlp_gemm|mhcgolf(::|_)mlp_"),
+    # FlexAttention's kernels are Inductor templates (triton_tem_*), which would otherwise count as GEMMs
+    ("attention", r"^triton_tem_.*flex_attention"),
     ("GEMM (cuBLAS/CUTLASS, inductor templates)", r"^triton_tem_|gemm|xmma|cutlass|nvjet|cublas|^aten::(mm|addmm|bmm|matmul)$"),
     ("inductor fused (triton_*)", r"^triton_"),
     ("attention", r"flash|fmha|attention|sdpa|cudnn"),
