@@ -267,6 +267,7 @@ def test_the_recurrence_config_is_the_sp8192_config_with_the_measured_overrides(
     recur, sp8192 = (to_dict(load_config(REPO / f"configs/{name}.toml")) for name in ("h100_sp8192_recur", "h100_sp8192"))
     differ = {(s, k): recur[s][k] for s in recur for k in recur[s] if recur[s][k] != sp8192[s][k]}
     assert differ == {("model", "recur_start"): 3, ("model", "recur_end"): 5, ("model", "recur_times"): 2,
+                      ("model", "doc_attention"): True, ("model", "logit_softcap"): 15.0,
                       ("optim", "weight_decay"): 0.12, ("quant", "calib_reserve_s"): 12.0}
 
 
