@@ -48,7 +48,6 @@ def test_tables_are_per_step_largest_first_and_shares_sum_to_one():
     assert "5.0 ms of device time per step in 6.0 ms" in text and "| mHC Triton kernels | 2.00 | 40.0% |" in text
 
 
-
 def test_flex_attention_and_sdpa_kernels_add_up_in_one_attention_row():
     """Two patterns name attention (FlexAttention's templates before the GEMM rule, the fixed kernels after it):
     the category table still has one attention row, their sum."""
@@ -57,6 +56,7 @@ def test_flex_attention_and_sdpa_kernels_add_up_in_one_attention_row():
     cats, _ = summarize(times, steps=2)
     assert cats == [("attention", 2.0, pytest.approx(4 / 6)),
                     ("GEMM (cuBLAS/CUTLASS, inductor templates)", 1.0, pytest.approx(2 / 6))]
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
