@@ -10,12 +10,18 @@ of the first batch the training loader gives (--tokens train, from data.train_fi
 dense mask, in fp32) on the first --check-rows rows: the largest error of the output and of each input's gradient,
 as a fraction of that tensor's largest reference entry.
 
-    sdpa-causal   SDPA, causal over the whole row: what model.doc_attention=false runs, every causal pair (another
-                  mask, so not checked)
-    flex          FlexAttention on the block mask, compiled: what model.doc_attention=true runs in a compiled model
-    varlen        torch.nn.attention.varlen.varlen_attn on the rows' documents as one packed stream: FlashAttention's
-                  variable-length kernels, the form the parameter-golf records use
-    varlen-cudnn  the same routed to cuDNN's ragged kernels, which torch picks on its own only on newer GPUs
+    sdpa-causal   SDPA, causal over the whole row: what model.doc_attention=false runs without FlashAttention 3
+                  installed, every causal pair (another mask, so not checked)
+    flex          FlexAttention on the block mask, compiled, through model.doc_attention (its copies included): what
+                  model.doc_attention=true runs in a compiled model
+    varlen        torch.nn.attention.varlen.varlen_attn on the rows' documents as one packed stream: the
+                  variable-length form of FlashAttention (torch ships FlashAttention 2's kernels; the parameter-golf
+                  records call FlashAttention 3's)
+    varlen-cudnn  the same op routed to cuDNN's ragged kernels (torch's own choice is FlashAttention's)
+
+The inputs are laid out as the model makes them, [B, T, heads, D] seen as [B, heads, T, D], so packing the rows into
+one stream costs no copy. Where this torch's varlen_attn takes no GQA (or on the cuDNN route, which refuses it) the
+key/value heads are repeated for the query heads, a cost a model would pay too; the table marks those rows.
 
 The layout line says how much of the causal work the documents leave: the 128×128 tiles the block mask visits, and
 the pairs of one document.
@@ -31,7 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from model.doc_attention import BLOCK, dense_doc_mask, doc_block_mask, doc_causal_reference, document_ids
+from model.doc_attention import (BLOCK, DocumentMask, dense_doc_mask, doc_block_mask, doc_causal_attention,
+                                  doc_causal_reference, document_ids)
 from model.features import BOS_ID
 from scripts.bench_step import RandomTokens, TrainTokens
 from training.config import ConfigError, load_config
@@ -63,49 +70,59 @@ def packed_documents(docs: torch.Tensor) -> tuple[torch.Tensor, int]:
     return offsets.to(torch.int32), int(offsets.diff().max())
 
 
-def varlen_call(fn, q, k, v, offsets, max_len):
-    """fn (varlen_attn) on packed q [N, H, D], k/v [N, H_kv, D], causal within each sequence. Its signature changed
-    between torch releases: causality is `window_size=(-1, 0)` where it has that argument, `is_causal=True` before;
-    without `enable_gqa` the key/value heads are repeated for the query heads that read them."""
-    params = inspect.signature(fn).parameters
-    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:
-            group = q.shape[1] // k.shape[1]
+def varlen_caller(fn, heads: int, kv_heads: int, cudnn: bool = False):
+    """(call(q, k, v, offsets, max_len) on packed q [N, H, D], k/v [N, H_kv, D], causal within each sequence; whether
+    it repeats the key/value heads). varlen_attn's signature changed between torch releases: causality is
+    `window_size=(-1, 0)` where it has that argument, `is_causal=True` before, and GQA needs `enable_gqa`. The cuDNN
+    route (cudnn=True: fn is the private op, positional up to is_causal in every release that has it) takes causality
+    as is_causal only and no GQA."""
+    params = {} if cudnn else inspect.signature(fn).parameters
+    repeat = kv_heads != heads and (cudnn or "enable_gqa" not in params)
+    kwargs = {} if cudnn else {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if kv_heads != heads and not repeat:
+        kwargs["enable_gqa"] = True
+    group = heads // kv_heads
+
+    def call(q, k, v, offsets, max_len):
+        if repeat:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return fn(q, k, v, offsets, offsets, max_len, max_len, **kwargs)
+        if cudnn:
+            return fn(q, k, v, offsets, offsets, max_len, max_len, True)[0]  # (output, log-sum-exp, rng state)
+        return fn(q, k, v, offsets, offsets, max_len, max_len, **kwargs)
+    return call, repeat
 
 
-def make_impl(name: str, docs: torch.Tensor):
-    """attention(q, k, v) for q [B, H, T, D], k/v [B, H_kv, T, D] -> [B, H, T, D], causal within the documents
-    `docs` [B, T] (sdpa-causal: within the row)."""
+def make_impl(name: str, docs: torch.Tensor, heads: int, kv_heads: int):
+    """(attention(q, k, v) for q [B, H, T, D], k/v [B, H_kv, T, D] -> [B, H, T, D], causal within the documents
+    `docs` [B, T] (sdpa-causal: within the row); whether it repeats the key/value heads)."""
     if name == "sdpa-causal":
-        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        def sdpa(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return sdpa, False
     if name == "flex":
-        from torch.nn.attention.flex_attention import flex_attention
         # dynamic=False: the checked rows and the timed ones are two shapes, each its own kernel as in training
-        flex, mask = torch.compile(flex_attention, dynamic=False), doc_block_mask(docs)
-        return lambda q, k, v: flex(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+        flex, mask = torch.compile(doc_causal_attention, dynamic=False), DocumentMask(doc_block_mask(docs), None)
+        return (lambda q, k, v: flex(q, k, v, mask)), False
     try:
         import torch.nn.attention.varlen as varlen
     except ImportError as e:
         raise RuntimeError(f"{name}: this torch ({torch.__version__}) has no torch.nn.attention.varlen (from 2.10)") from e
+    cudnn = name == "varlen-cudnn"
+    call, repeat = varlen_caller(varlen._varlen_attn if cudnn else varlen.varlen_attn, heads, kv_heads, cudnn)
     offsets, max_len = packed_documents(docs)
     B, T = docs.shape
 
     def attention(q, k, v):
-        pack = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[3])  # noqa: E731
-        out = varlen_call(varlen.varlen_attn, pack(q), pack(k), pack(v), offsets, max_len)
+        pack = lambda t: t.transpose(1, 2).reshape(B * T, t.shape[1], t.shape[3])  # noqa: E731 (a view of [B, T, h, D])
+        out = call(pack(q), pack(k), pack(v), offsets, max_len)
         return out.reshape(B, T, q.shape[1], q.shape[3]).transpose(1, 2)
-    return attention
+    return attention, repeat
 
 
 @contextmanager
 def route(name: str):
-    """varlen-cudnn: varlen_attn's choice of backend answers cuDNN while inside (forward and backward both ask it);
-    torch takes that route on its own only on newer GPUs. Other implementations: nothing changes."""
+    """varlen-cudnn: varlen_attn's choice of backend answers cuDNN while inside (its forward and its backward both
+    ask it, and the two must agree); torch's own answer is FlashAttention. Other implementations: nothing changes."""
     if name != "varlen-cudnn":
         yield
         return
@@ -120,19 +137,24 @@ def route(name: str):
         varlen._should_use_cudnn = chosen
 
 
-def random_qkv(B, H, H_kv, T, D, device, dtype=torch.bfloat16, seed=0):
+def random_qkv(B, H, H_kv, T, D, device, dtype=torch.bfloat16, seed=0) -> list[torch.Tensor]:
+    """q, k, v as the model lays them out: leaves [B, T, heads, D], each read as [B, heads, T, D] (see heads())."""
     g = torch.Generator(device=device).manual_seed(seed)
-    return [torch.randn(B, h, T, D, device=device, dtype=dtype, generator=g).requires_grad_() for h in (H, H_kv, H_kv)]
+    return [torch.randn(B, T, h, D, device=device, dtype=dtype, generator=g).requires_grad_() for h in (H, H_kv, H_kv)]
+
+
+def heads(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.transpose(1, 2) for t in leaves]
 
 
 def check(attention, docs: torch.Tensor, qkv: list[torch.Tensor]) -> float:
     """The largest error of the output and of the three gradients against the dense fp32 reference, each as a fraction
     of the reference's largest entry."""
     ref_in = [t.detach().float().requires_grad_() for t in qkv]
-    ref = doc_causal_reference(*ref_in, dense_doc_mask(docs))
+    ref = doc_causal_reference(*heads(ref_in), dense_doc_mask(docs))
     grad = torch.randn_like(ref)
     ref.backward(grad)
-    got = attention(*qkv)
+    got = attention(*heads(qkv))
     got.backward(grad.to(got.dtype))
     pairs = [(got, ref)] + [(t.grad, r.grad) for t, r in zip(qkv, ref_in)]
     return max(float((a.float() - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in pairs)
@@ -145,16 +167,16 @@ def bench_ms(fn, rep_ms: int) -> float:
 
 def time_impl(attention, qkv: list[torch.Tensor], rep_ms: int) -> tuple[float, float]:
     """(forward ms, forward+backward ms) of one call, median."""
-    grad = torch.randn_like(qkv[0])
+    grad = torch.randn_like(qkv[0]).transpose(1, 2)
 
     def both():
         for t in qkv:
             t.grad = None
-        attention(*qkv).backward(grad)
+        attention(*heads(qkv)).backward(grad)
     both()  # a compiled implementation compiles here, not inside the timing's own estimate
     torch.cuda.synchronize()
     with torch.no_grad():
-        forward = bench_ms(lambda: attention(*qkv), rep_ms)
+        forward = bench_ms(lambda: attention(*heads(qkv)), rep_ms)
     return forward, bench_ms(both, rep_ms)
 
 
@@ -206,18 +228,22 @@ def main(argv=None) -> list[dict]:
                 err = None
                 if name != "sdpa-causal":
                     few = docs[:a.check_rows]
-                    err = check(make_impl(name, few), few, random_qkv(len(few), *dims, "cuda"))
-                fwd, both = time_impl(make_impl(name, docs), random_qkv(len(docs), *dims, "cuda"), a.rep_ms)
+                    attention, _ = make_impl(name, few, m.n_heads, m.n_kv_heads)
+                    err = check(attention, few, random_qkv(len(few), *dims, "cuda"))
+                attention, repeat = make_impl(name, docs, m.n_heads, m.n_kv_heads)
+                fwd, both = time_impl(attention, random_qkv(len(docs), *dims, "cuda"), a.rep_ms)
         except Exception as e:  # one implementation's failure (absent in this torch, refused by a kernel) is a row
-            print(f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:160]} | | | |", flush=True)
-            rows.append({"impl": name, "error": str(e)})
+            first = (str(e).splitlines() or [""])[0][:160]
+            print(f"| {name} | failed: {type(e).__name__}: {first} | | | |", flush=True)
+            rows.append({"impl": name, "error": f"{type(e).__name__}: {e}"})
             continue
-        rows.append({"impl": name, "forward_ms": fwd, "both_ms": both, "max_error": err})
+        rows.append({"impl": name, "forward_ms": fwd, "both_ms": both, "max_error": err, "kv_repeated": repeat})
         base = next((r["both_ms"] for r in rows if r["impl"] == "sdpa-causal" and "both_ms" in r), None)
         ratio = f"{both / base:.2f}x" if base else "—"
-        print(f"| {name} | {fwd:.3f} | {both:.3f} | {ratio} | {'—' if err is None else f'{err:.2e}'} |", flush=True)
+        label = f"{name} (key/value heads repeated)" if repeat else name
+        print(f"| {label} | {fwd:.3f} | {both:.3f} | {ratio} | {'—' if err is None else f'{err:.2e}'} |", flush=True)
     return rows
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    sys.exit(0 if any("both_ms" in r for r in main()) else 1)

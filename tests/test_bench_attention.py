@@ -69,9 +69,28 @@ def test_the_packed_varlen_path_equals_the_dense_reference(window_size, monkeypa
     idx[torch.rand(idx.shape, generator=g) < 0.1] = 1  # BOS
     docs = B.document_ids(idx)
     q, k, v = (torch.randn(3, h, 40, 8, generator=g) for h in (4, 2, 2))
-    got = B.make_impl("varlen", docs)(q, k, v)
+    attention, repeated = B.make_impl("varlen", docs, 4, 2)
+    got = attention(q, k, v)
     torch.testing.assert_close(got, doc_causal_reference(q, k, v, dense_doc_mask(docs)), atol=1e-5, rtol=1e-5)
-    assert len(calls) == 1
+    assert len(calls) == 1 and repeated == (not window_size)  # the older signature has no GQA
+
+
+def test_the_cudnn_route_calls_the_private_op_causal_with_the_heads_repeated(monkeypatch):
+    """cuDNN's route refuses windows and GQA: the op is called positionally with is_causal and as many key/value heads
+    as query heads, and its first output is the attention."""
+    fn, _ = fake_varlen(window_size=False)
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    seen = []
+
+    def private_op(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False):
+        seen.append((k.shape[1], is_causal))
+        return fn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=is_causal), "lse", "rng"
+    monkeypatch.setattr(varlen, "_varlen_attn", private_op)
+    docs = torch.tensor([[0] * 5 + [1] * 7])
+    q, k, v = (torch.randn(1, h, 12, 8) for h in (4, 2, 2))
+    attention, repeated = B.make_impl("varlen-cudnn", docs, 4, 2)
+    torch.testing.assert_close(attention(q, k, v), doc_causal_reference(q, k, v, dense_doc_mask(docs)))
+    assert repeated and seen == [(4, True)]
 
 
 def test_the_cudnn_route_answers_cudnn_only_inside(monkeypatch):
@@ -124,8 +143,10 @@ def test_gpu_every_document_kernel_matches_the_reference(capsys):
     assert set(by) == set(B.IMPLS)
     for name in ("sdpa-causal", "flex", "varlen"):
         assert "error" not in by[name], by[name]
-        assert by[name]["forward_ms"] > 0 and by[name]["both_ms"] > by[name]["forward_ms"] * 0.5
+        assert 0 < by[name]["forward_ms"] < by[name]["both_ms"]  # the backward costs more than nothing
     for name in ("flex", "varlen"):
         assert by[name]["max_error"] < 0.05, by[name]
-    if "error" not in by["varlen-cudnn"]:
+    if "error" in by["varlen-cudnn"]:  # this GPU's cuDNN may refuse ragged inputs, but not for what the call controls
+        assert not re.search(r"window|GQA", by["varlen-cudnn"]["error"]), by["varlen-cudnn"]
+    else:
         assert by["varlen-cudnn"]["max_error"] < 0.05
