@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from model.doc_attention import (BLOCK, DocumentMask, dense_doc_mask, doc_block_mask, doc_causal_attention,
                                   doc_causal_reference, document_ids)
 from model.features import BOS_ID
-from scripts.bench_step import RandomTokens, TrainTokens
+from training.bench_batches import RandomTokens, TrainTokens
 from training.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from scripts import bench_step
+from training import bench_batches
 
 TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "data.seq_len=16",
         "train.batch_tokens=64", "train.micro_batch_seqs=4", "train.compile=false"]
@@ -150,10 +151,10 @@ def test_random_tokens_hold_documents_of_the_mean_length_asked_for():
     """--doc-tokens N: a BOS at each position with probability 1/N, none elsewhere (uniform ids would give one BOS
     per vocab_size tokens, documents far longer than a row)."""
     from model.features import BOS_ID
-    tokens = bench_step.RandomTokens(32, 2048, 8192, torch.device("cpu"), doc_tokens=100).x
+    tokens = bench_batches.RandomTokens(32, 2048, 8192, torch.device("cpu"), doc_tokens=100).x
     share = (tokens == BOS_ID).float().mean().item()
     assert 0.008 < share < 0.012 and tokens.min() >= BOS_ID
-    uniform = bench_step.RandomTokens(32, 2048, 8192, torch.device("cpu")).x
+    uniform = bench_batches.RandomTokens(32, 2048, 8192, torch.device("cpu")).x
     assert (uniform == BOS_ID).float().mean().item() < 0.001
 
 
@@ -204,8 +205,8 @@ def test_train_tokens_are_the_training_loaders_first_batch_at_every_step(demo_di
                      world_size=2, seed=cfg.train.seed, shards_per_batch=cfg.data.shards_per_batch, prefetch=1,
                      vocab_size=cfg.model.vocab_size) as loader:
         rank1, _ = loader.next_batch()
-    x1 = bench_step.TrainTokens(cfg, torch.device("cpu"), rank=1, world_size=2).x
-    assert torch.equal(x1, rank1) and not torch.equal(x1, bench_step.TrainTokens(cfg, torch.device("cpu")).x)
+    x1 = bench_batches.TrainTokens(cfg, torch.device("cpu"), rank=1, world_size=2).x
+    assert torch.equal(x1, rank1) and not torch.equal(x1, bench_batches.TrainTokens(cfg, torch.device("cpu")).x)
 
 
 def test_train_tokens_refuse_doc_tokens_and_missing_or_short_shards(demo_dir, tmp_path, monkeypatch, capsys):
