@@ -41,6 +41,7 @@ from model.doc_attention import (BLOCK, DocumentMask, dense_doc_mask, doc_block_
                                   doc_causal_reference, document_ids)
 from model.features import BOS_ID
 from training.bench_batches import RandomTokens, TrainTokens
+from training.bench_timing import bench_ms
 from training.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,11 +159,6 @@ def check(attention, docs: torch.Tensor, qkv: list[torch.Tensor]) -> float:
     got.backward(grad.to(got.dtype))
     pairs = [(got, ref)] + [(t.grad, r.grad) for t, r in zip(qkv, ref_in)]
     return max(float((a.float() - b).abs().max() / b.abs().max().clamp_min(1e-12)) for a, b in pairs)
-
-
-def bench_ms(fn, rep_ms: int) -> float:
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median")
 
 
 def time_impl(attention, qkv: list[torch.Tensor], rep_ms: int) -> tuple[float, float]:

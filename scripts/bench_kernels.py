@@ -27,16 +27,12 @@ import torch
 from kernels import mhc_reference as R
 from kernels.mhc_blocks import SWEEP, default_blocks
 from kernels.mhc_traffic import design_bound, floor_bytes_per_token, stream_rows
+from training.bench_timing import bench_ms
 
 COPY_BYTES = 1 << 30
 
 
 # ---------------------------------------------------------------- timing
-
-def bench_ms(fn, rep_ms: int) -> float:
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median")
-
 
 def copy_bandwidth(rep_ms: int) -> float:
     """Bytes/s of a large device-to-device copy (bytes read + bytes written)."""

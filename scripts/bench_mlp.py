@@ -22,6 +22,7 @@ import torch
 
 from kernels import mlp
 from kernels.mlp_reference import mlp_reference
+from training.bench_timing import bench_ms
 
 PEAK_SIZE = 8192
 
@@ -37,11 +38,6 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Name
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     return args
-
-
-def bench_ms(fn, rep_ms: int) -> float:
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median")
 
 
 def matmul_peak_tflops(rep_ms: int) -> float:

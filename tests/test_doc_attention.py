@@ -215,6 +215,7 @@ def test_gpu_compiled_model_with_doc_attention_matches_the_uncompiled_one(monkey
     assert not far, f"fp32: compiled gradients off the reference: {far}"
     loss, grads = loss_and_grads(compiled, True)
     assert (loss - ref_loss).abs() <= 3 * (eager_loss - ref_loss).abs() + 1e-3 * ref_loss.abs()
+
     def beyond_rounding(got, eager, want):  # the error, as a multiple of what bf16 rounding allows
         return ((got - want).norm() / (3 * (eager - want).norm() + 0.01 * want.norm())).item()
     flat = [torch.cat([t.flatten() for t in ts]) for ts in (grads, eager_grads, ref_grads)]
