@@ -150,3 +150,13 @@ def test_gpu_every_document_kernel_matches_the_reference(capsys):
         assert not re.search(r"window|GQA", by["varlen-cudnn"]["error"]), by["varlen-cudnn"]
     else:
         assert by["varlen-cudnn"]["max_error"] < 0.05
+
+
+def test_missing_training_shards_are_refused_with_the_loaders_reason(monkeypatch, tmp_path, capsys):
+    """--tokens train reads data.train_files; where they are missing the refusal names them (the GPU check passed)."""
+    monkeypatch.setattr(B.torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit):
+        B.main(["--config", str(REPO / "configs/demo.toml"), "--tokens", "train",
+                f"data.train_files={tmp_path}/none_*.bin"])
+    err = capsys.readouterr().err
+    assert "--tokens train: data.train_files:" in err and "none_" in err, err
